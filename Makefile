@@ -1,0 +1,30 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_DIR ?= workdirs/demo
+DEMO_STEPS ?= 600
+
+.PHONY: venv demo test bench clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt setup.py
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -r requirements.txt
+	$(VPY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+# Trains the tiny LCA-MBP config on the bundled corpus (a few minutes on 2 CPU cores), then samples.
+demo: $(STAMP)
+	$(VENV)/bin/lca-train --config configs/tiny_lca_mbp.py --workdir $(DEMO_DIR) --config.train.steps=$(DEMO_STEPS)
+	$(VPY) tools/demo_sample.py --checkpoint $(DEMO_DIR)
+
+# pytest exits 5 when no test is collected; that is not a failure of the code.
+test: $(STAMP)
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(VPY) -m pytest -q -x tests; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+
+clean:
+	rm -rf $(VENV) workdirs
