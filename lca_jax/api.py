@@ -1,0 +1,106 @@
+"""The small public API: ``lca_jax.load(path)`` -> ``Model`` with ``forward`` and ``generate``."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lca_jax.interop import upstream
+from lca_jax.model.config import ModelConfig
+from lca_jax.model.hierarchical import ByteLM
+
+
+class LoadError(ValueError):
+  """A path that ``lca_jax.load`` cannot serve."""
+
+
+class Model:
+  """An inference handle: a config, float32 params and jitted entry points."""
+
+  def __init__(self, cfg: ModelConfig, params, source: str = ""):
+    self.cfg = cfg
+    self.params = nn.unbox(params)
+    self.source = source
+    self.module = ByteLM(cfg)
+    self._forward = jax.jit(lambda p, ids: self.module.apply({"params": p}, ids, train=False))
+    self._engine = None
+
+  def __repr__(self):
+    return f"Model({self.cfg.kind}, d={self.cfg.d_model}, source={self.source!r})"
+
+  def forward(self, ids) -> dict:
+    """Full inference forward on int ids [T] or [B, T].
+
+    Returns numpy ``ntp_logits`` [.., T, V] (row t predicts byte t+1), ``mbp_logits`` (row t
+    predicts byte t+2; None without an LCA-MBP head), ``mlp_mbp_logits`` [.., k, T, V] or None
+    and ``boundaries`` [.., T] int32 (1 = byte t closes its group; None for a flat model).
+    """
+    ids = np.asarray(ids)
+    if ids.ndim not in (1, 2) or not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(f"forward expects integer ids of shape [T] or [B, T], got {ids.dtype} {ids.shape}")
+    if ids.size == 0:
+      raise ValueError("forward needs at least one byte")
+    if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+      raise ValueError(f"ids must lie in [0, {self.cfg.vocab_size}), got [{ids.min()}, {ids.max()}]")
+    single = ids.ndim == 1
+    out = self._forward(self.params, jnp.asarray(ids[None] if single else ids, jnp.int32))
+    res = {}
+    for key in ("ntp_logits", "mbp_logits", "mlp_mbp_logits", "boundaries"):
+      v = out.get(key)
+      if v is not None:
+        v = np.asarray(v)
+        v = v.astype(np.int32) if key == "boundaries" else v
+        v = v[0] if single else v
+      res[key] = v
+    return res
+
+  def generate(self, prompts, **kw):
+    """Decode continuations; see ``lca_jax.decode.engine.generate`` for the options."""
+    from lca_jax.decode import engine  # pylint: disable=g-import-not-at-top
+    return engine.generate(self, prompts, **kw)
+
+
+def _is_upstream_dir(path):
+  return os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(
+      os.path.join(path, "model.safetensors"))
+
+
+def load_upstream(path: str) -> Model:
+  uc, sd = upstream.read_dir(path)
+  cfg = upstream.config_from_upstream(uc)
+  params = upstream.state_dict_to_params(sd, cfg, shapes=_param_shapes(cfg))
+  return Model(cfg, jax.tree_util.tree_map(jnp.asarray, params), source=path)
+
+
+def _param_shapes(cfg: ModelConfig):
+  from lca_jax.model.hierarchical import init_params  # pylint: disable=g-import-not-at-top
+  abstract = jax.eval_shape(lambda: nn.unbox(init_params(cfg, jax.random.PRNGKey(0))))
+  return jax.tree_util.tree_map(lambda x: x.shape, abstract)
+
+
+def load(path: str, step: Optional[int] = None) -> Model:
+  """Load a model for inference from the paper's PyTorch layout (config.json +
+  model.safetensors) or from an lca-train work directory (latest checkpoint, or ``step``)."""
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise LoadError(f"checkpoint path does not exist: {path}")
+  if not os.path.isdir(path):
+    raise LoadError(f"checkpoint path is not a directory: {path}")
+  if _is_upstream_dir(path):
+    try:
+      return load_upstream(path)
+    except upstream.CheckpointError as e:
+      raise LoadError(str(e)) from e
+  try:
+    from lca_jax.train import checkpoint  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    checkpoint = None
+  if checkpoint is not None and checkpoint.is_workdir(path):
+    cfg, params = checkpoint.load_for_inference(path, step=step)
+    return Model(cfg, params, source=path)
+  raise LoadError(f"{path}: neither an upstream checkpoint (config.json + model.safetensors) "
+                  "nor an lca-train work directory with checkpoints")

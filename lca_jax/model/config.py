@@ -1,0 +1,113 @@
+"""Model hyper-parameters: one frozen dataclass for every variant of the family.
+
+The variant is chosen by fields, never by a different class:
+  * ``kind="flat"``: LlamaByte, a single causal stack over bytes (``n_enc`` layers).
+  * ``kind="hierarchical"``: encoder / boundaries / latent LM / next-byte decoder, plus
+    optional multi-byte heads: ``n_mbp > 0`` LCA-MBP layers, or ``n_mlp_mbp > 0`` Medusa-style
+    residual MLP heads. ``boundaries="learned"`` (FxT, LCA-MBP, MLP-MBP) or ``"spacebyte"``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+KINDS = ("flat", "hierarchical")
+BOUNDARIES = ("learned", "spacebyte")
+ATTENTION_IMPLS = ("xla", "pallas")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+  """A model config that cannot be built (unknown key, bad value)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  kind: str = "hierarchical"
+  n_tokens: int = 261  # ByT5 ids 0..260 (lca_jax.vocab); real vocabulary (logits are returned for these ids)
+  vocab_size: int = 384  # embedding rows (n_tokens padded for speed)
+  d_model: int = 64
+  d_inner: int = 128
+  n_heads: int = 4
+  n_kv_heads: int = 4
+  n_enc: int = 1
+  n_lm: int = 2
+  n_dec: int = 1
+  n_mbp: int = 2  # LCA-MBP head layers (0 = no LCA head)
+  n_mlp_mbp: int = 0  # Medusa-style heads (head k predicts x_{t+1+k})
+  boundaries: str = "learned"
+  bp_d_inner: int = 0  # boundary predictor hidden size; 0 = d_inner
+  bp_temp: float = 0.5
+  bp_prior: float = 0.333
+  bp_prior_std: float = 0.023
+  bp_lower_k: float = 3.0
+  spacebyte_max_group: int = 16
+  max_latent_ratio: float = 1.0
+  rope_base: float = 100000.0
+  rms_eps: float = 1e-6
+  dropout: float = 0.0
+  attention_impl: str = "xla"
+  dtype: str = "float32"  # compute dtype; parameters stay float32
+  remat: bool = False
+
+  def __post_init__(self):
+    def check(ok, msg):
+      if not ok:
+        raise ConfigError(f"model config: {msg}")
+    check(self.kind in KINDS, f"kind must be one of {KINDS}, got {self.kind!r}")
+    check(self.boundaries in BOUNDARIES, f"boundaries must be one of {BOUNDARIES}, got {self.boundaries!r}")
+    check(self.attention_impl in ATTENTION_IMPLS, f"attention_impl must be one of {ATTENTION_IMPLS}")
+    check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
+    check(self.d_model % self.n_heads == 0, f"d_model {self.d_model} not divisible by n_heads {self.n_heads}")
+    check(self.n_heads % self.n_kv_heads == 0, f"n_heads {self.n_heads} not divisible by n_kv_heads {self.n_kv_heads}")
+    check(self.vocab_size >= self.n_tokens, f"vocab_size {self.vocab_size} < n_tokens {self.n_tokens}")
+    check(self.n_enc >= 1, "n_enc must be >= 1")
+    check(0.0 < self.max_latent_ratio <= 1.0, "max_latent_ratio must be in (0, 1]")
+    if self.kind == "hierarchical":
+      check(self.n_lm >= 1 and self.n_dec >= 1, "a hierarchical model needs n_lm >= 1 and n_dec >= 1")
+      check(not (self.n_mbp and self.n_mlp_mbp), "choose either an LCA-MBP head (n_mbp) or MLP heads (n_mlp_mbp)")
+    else:
+      check(self.n_mbp == 0 and self.n_mlp_mbp == 0, "a flat model has no multi-byte head")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  @property
+  def hierarchical(self) -> bool:
+    return self.kind == "hierarchical"
+
+  @property
+  def has_lca(self) -> bool:
+    return self.hierarchical and self.n_mbp > 0
+
+  @property
+  def has_mbp(self) -> bool:
+    return self.has_lca or self.n_mlp_mbp > 0
+
+  @property
+  def bp_hidden(self) -> int:
+    return self.bp_d_inner or self.d_inner
+
+  @property
+  def bp_beta(self) -> float:
+    return self.bp_prior - self.bp_lower_k * self.bp_prior_std
+
+  def latent_capacity(self, seq_len: int) -> int:
+    """Static number of latent slots S = 1 + ceil(T * max_latent_ratio) (slot 0 is the null group)."""
+    return 1 + int(math.ceil(seq_len * self.max_latent_ratio - 1e-9))
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ConfigError(f"unknown model config key(s): {', '.join(unknown)}; known keys: {', '.join(sorted(names))}")
+    return cls(**dict(d))
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)

@@ -1,0 +1,47 @@
+"""Attention masks built inside jit from per-position ids (DESIGN §2).
+
+Every mask is boolean ``[B, Tq, Tk]``: True = query may attend key. ``doc`` ids are 0 for
+padding (never attended, and a padded query attends nothing), otherwise a document id; two
+positions interact only when their doc ids are equal. With ``concat`` packing every doc id is 1.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def same_doc(doc_q, doc_k):
+  """[B,Tq],[B,Tk] -> [B,Tq,Tk]: same non-padding document."""
+  return (doc_q[:, :, None] == doc_k[:, None, :]) & (doc_k[:, None, :] != 0)
+
+
+def causal_mask(doc_q, doc_k=None, pos_q=None, pos_k=None):
+  """Causal within a document: key index <= query index (or key position <= query position).
+
+  Without positions, indices into the two sequences are compared (the usual self-attention).
+  With positions (cached decoding: keys are a cache, queries the new bytes), positions are.
+  """
+  doc_k = doc_q if doc_k is None else doc_k
+  if pos_q is None:
+    tq, tk = doc_q.shape[1], doc_k.shape[1]
+    order = jnp.arange(tk)[None, None, :] <= jnp.arange(tq)[None, :, None]
+  else:
+    order = pos_k[:, None, :] <= pos_q[:, :, None]
+  return order & same_doc(doc_q, doc_k)
+
+
+def lca_mask(group_q, doc_q, group_k=None, doc_k=None, idx_q=None, idx_k=None):
+  """LCA mask: query i sees key j iff j == i, g_j == g_i - 1, or (g_j == g_i and j < i).
+
+  Equivalently one contiguous key range [first byte of group g_i - 1, i] per query. ``idx_*``
+  are absolute byte indices (default: 0..T-1) so the same rule applies to a cache.
+  """
+  group_k = group_q if group_k is None else group_k
+  doc_k = doc_q if doc_k is None else doc_k
+  if idx_q is None:
+    idx_q = jnp.arange(group_q.shape[1])[None, :]
+  if idx_k is None:
+    idx_k = jnp.arange(group_k.shape[1])[None, :]
+  gi, gj = group_q[:, :, None], group_k[:, None, :]
+  i, j = idx_q[:, :, None], idx_k[:, None, :]
+  allowed = (j == i) | (gj == gi - 1) | ((gj == gi) & (j < i))
+  return allowed & same_doc(doc_q, doc_k)
