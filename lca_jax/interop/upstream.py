@@ -2,7 +2,7 @@
 
 A directory holds ``config.json`` (upstream keys) and ``model.safetensors`` (torch state-dict
 names, Linear weights [out, in]). Extras that upstream lacks, documented here and in
-``interop/torch_model.py``: MLP-MBP heads (config ``mlp_mbp_heads``; keys
+``interop/torch_model.py``: MLP-MBP heads (config ``mlp_mbp_heads`` and ``mlp_mbp_inner``; keys
 ``mlp_mbp.{i}.norm.weight``, ``mlp_mbp.{i}.fc1.weight`` [inter, d], ``mlp_mbp.{i}.fc2.weight``
 [d, inter]) and SpaceByte (``boundaries_type: "spacebyte"``, ``spacebyte_max_group``; no
 boundary predictor weights).
@@ -48,6 +48,7 @@ def config_from_upstream(uc: dict) -> ModelConfig:
                             "(supported: gumbel, spacebyte, none)")
     prior, std = next(iter(uc.get("all_script_ids_dict", {"<en>": [0.333, 0.023]}).values()))
     n_mlp = int(uc.get("mlp_mbp_heads", 0))
+    mlp_inner = int(uc.get("mlp_mbp_inner", 0)) if n_mlp else 0
     if mbp and not uc.get("use_group_attn", True):
       raise CheckpointError("config.json: an MBP stage without use_group_attn is not an LCA-MBP "
                             "model; this variant is not supported")
@@ -56,7 +57,7 @@ def config_from_upstream(uc: dict) -> ModelConfig:
         n_tokens=int(uc["lm_vocab_size"]), vocab_size=int(uc["lm_vocab_size"]),
         d_model=int(uc["lm_hidden_dim"]), d_inner=int(uc["lm_inter_dim"]),
         n_heads=int(uc["lm_n_heads"]), n_kv_heads=int(uc["lm_n_kv_heads"]),
-        n_enc=enc, n_lm=lm, n_dec=dec, n_mbp=mbp, n_mlp_mbp=n_mlp,
+        n_enc=enc, n_lm=lm, n_dec=dec, n_mbp=mbp, n_mlp_mbp=n_mlp, mlp_mbp_inner=mlp_inner,
         boundaries="spacebyte" if btype == "spacebyte" else "learned",
         spacebyte_max_group=int(uc.get("spacebyte_max_group", 16)),
         bp_temp=float(uc.get("temp", 0.5)), bp_prior=float(prior), bp_prior_std=float(std),
@@ -89,6 +90,7 @@ def config_to_upstream(cfg: ModelConfig) -> dict:
   }
   if cfg.n_mlp_mbp:
     out["mlp_mbp_heads"] = cfg.n_mlp_mbp
+    out["mlp_mbp_inner"] = cfg.mlp_hidden
   if cfg.boundaries == "spacebyte":
     out["spacebyte_max_group"] = cfg.spacebyte_max_group
   return out

@@ -36,6 +36,7 @@ class ModelConfig:
   n_dec: int = 1
   n_mbp: int = 2  # LCA-MBP head layers (0 = no LCA head)
   n_mlp_mbp: int = 0  # Medusa-style heads (head k predicts x_{t+1+k})
+  mlp_mbp_inner: int = 0  # MLP head hidden size; 0 = d_inner
   boundaries: str = "learned"
   bp_d_inner: int = 0  # boundary predictor hidden size; 0 = d_inner
   bp_temp: float = 0.5
@@ -89,6 +90,10 @@ class ModelConfig:
   @property
   def bp_hidden(self) -> int:
     return self.bp_d_inner or self.d_inner
+
+  @property
+  def mlp_hidden(self) -> int:
+    return self.mlp_mbp_inner or self.d_inner
 
   @property
   def bp_beta(self) -> float:

@@ -65,7 +65,7 @@ class ByteLM(nn.Module):
       self.decoder = stack(c.n_dec)
       if c.n_mbp:
         self.mbp = stack(c.n_mbp)
-      self.mlp_heads = [MLPHead(c.d_inner, c.rms_eps, dt, name=f"mlp_mbp_{i}")
+      self.mlp_heads = [MLPHead(c.mlp_hidden, c.rms_eps, dt, name=f"mlp_mbp_{i}")
                         for i in range(c.n_mlp_mbp)]
 
   # ---- stages -------------------------------------------------------------------------------

@@ -1,0 +1,99 @@
+"""Shared defaults for every config; variant files override what differs.
+
+Not run directly: see the variant files (e.g. ``configs/lca_mbp.py``) for commands.
+"""
+import ml_collections
+
+from lca_jax.model.config import ModelConfig
+
+
+def model_config(**overrides) -> ml_collections.ConfigDict:
+  """Every ModelConfig field with its default, then ``overrides`` (unknown keys fail early)."""
+  return ml_collections.ConfigDict(ModelConfig(**overrides).to_dict())
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.model = model_config()
+
+  c.data = ml_collections.ConfigDict()
+  c.data.format = "text"  # parquet | jsonl | text | arrayrecord | tfds
+  c.data.train_files = ""  # glob(s) of local files, comma separated ("" = bundled demo corpus)
+  c.data.eval_files = ""
+  c.data.seq_len = 4096
+  c.data.packing = "concat"  # concat | segmented
+  c.data.worker_count = 0  # grain multiprocess prefetch workers
+  c.data.tfds_name = ""  # for format=tfds: dataset name (or a builder dir in train_files)
+  c.data.tfds_split = "train"
+  c.data.sft_format = ""  # "" (pretraining) | chat | translation | summarization
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 100_000
+  c.train.seed = 0
+  c.train.global_batch_bytes = 1_048_576  # bytes per optimizer step (the paper's 1M)
+  c.train.micro_batch_size = 32  # rows per forward/backward over all devices (accumulation fills the rest)
+  c.train.log_every = 50
+  c.train.eval_every = 1000
+  c.train.eval_batches = 20
+  c.train.checkpoint_every = 1000
+  c.train.keep_checkpoints = 3
+  c.train.init_from = ""  # a checkpoint to start from (SFT / fine-tuning): workdir or upstream dir
+  c.train.lambda_ntp = 1.0
+  c.train.lambda_mbp = 1.0
+  c.train.lambda_bp = 10.0
+  c.train.progress_bar = True
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 3e-4
+  c.optim.warmup_steps = 2000
+  c.optim.final_lr_ratio = 0.1  # cosine decays to lr * final_lr_ratio
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.999
+  c.optim.eps = 1e-8
+  c.optim.weight_decay = 0.0
+  c.optim.clip_norm = 0.25
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # -1: all devices not used by the other axes
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+  return c
+
+
+def paper_model(**overrides) -> ml_collections.ConfigDict:
+  """Paper scale (Table 2): d 1024, inner 4096, 8 heads / 8 kv heads, bf16 compute."""
+  kw = dict(d_model=1024, d_inner=4096, n_heads=8, n_kv_heads=8, dropout=0.1, dtype="bfloat16",
+            max_latent_ratio=0.5, vocab_size=384)
+  kw.update(overrides)
+  return model_config(**kw)
+
+
+def tiny_model(**overrides) -> ml_collections.ConfigDict:
+  """A CPU-sized model: trains in minutes on 2 cores."""
+  kw = dict(d_model=128, d_inner=384, n_heads=4, n_kv_heads=2, dropout=0.0, vocab_size=384)
+  kw.update(overrides)
+  return model_config(**kw)
+
+
+def paper_config(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  c = base_config()
+  c.model = model
+  c.data.format = "parquet"
+  c.data.seq_len = 4096
+  return c
+
+
+def tiny_config(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  c = base_config()
+  c.model = model
+  c.data.seq_len = 256
+  c.train.steps = 600
+  c.train.micro_batch_size = 16
+  c.train.global_batch_bytes = 16 * 256
+  c.train.log_every = 25
+  c.train.eval_every = 200
+  c.train.eval_batches = 4
+  c.train.checkpoint_every = 200
+  c.optim.lr = 2e-3
+  c.optim.warmup_steps = 50
+  return c

@@ -1,0 +1,62 @@
+"""Load ml-collections config files (``configs/NAME.py`` with ``get_config()``) with clear errors."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import ml_collections
+
+
+class ConfigFileError(ValueError):
+  pass
+
+
+def load_config(path: str) -> ml_collections.ConfigDict:
+  """Execute ``path`` and return ``get_config()``. The folder above ``configs/`` joins sys.path
+  so that config files can import their shared ``configs.base``."""
+  if not os.path.isfile(path):
+    raise ConfigFileError(f"config file not found: {path}")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+  if root not in sys.path:
+    sys.path.insert(0, root)
+  name = "_lca_config_" + os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  if not hasattr(mod, "get_config"):
+    raise ConfigFileError(f"{path}: no get_config() function")
+  return mod.get_config()
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides) -> ml_collections.ConfigDict:
+  """Apply ``a.b=value`` strings; an unknown key is an error naming it."""
+  import ast  # pylint: disable=g-import-not-at-top
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigFileError(f"override {item!r} is not of the form key=value")
+    key, raw = item.split("=", 1)
+    key = key.removeprefix("--").removeprefix("config.")
+    node, parts = config, key.split(".")
+    for p in parts[:-1]:
+      if p not in node:
+        raise ConfigFileError(f"unknown config key: {key} (no section {p!r})")
+      node = node[p]
+    if parts[-1] not in node:
+      raise ConfigFileError(f"unknown config key: {key}; known in this section: {', '.join(sorted(node.keys()))}")
+    old = node[parts[-1]]
+    try:
+      val = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+      val = raw
+    if isinstance(old, bool) and isinstance(raw, str) and raw.lower() in ("true", "false"):
+      val = raw.lower() == "true"
+    if isinstance(old, float) and isinstance(val, int) and not isinstance(val, bool):
+      val = float(val)
+    if isinstance(old, str) and not isinstance(val, str):
+      val = raw
+    try:
+      node[parts[-1]] = val
+    except TypeError as e:
+      raise ConfigFileError(f"config key {key}: cannot set {raw!r} ({e})") from e
+  return config
