@@ -62,7 +62,8 @@ def config_from_upstream(uc: dict) -> ModelConfig:
         spacebyte_max_group=int(uc.get("spacebyte_max_group", 16)),
         bp_temp=float(uc.get("temp", 0.5)), bp_prior=float(prior), bp_prior_std=float(std),
         bp_lower_k=float(uc.get("s_lower_bound", 3)), rope_base=float(uc["lm_re_base"]),
-        rms_eps=float(uc["lm_rms_eps"]), max_latent_ratio=1.0)
+        rms_eps=float(uc["lm_rms_eps"]), max_latent_ratio=1.0,
+        max_seq_len=int(uc.get("seq_len", uc.get("lm_max_position_embeddings", 4096))))
   except KeyError as e:
     raise CheckpointError(f"config.json: missing key {e.args[0]!r}") from e
 
@@ -78,7 +79,7 @@ def config_to_upstream(cfg: ModelConfig) -> dict:
       "lm_vocab_size": cfg.n_tokens, "n_token": cfg.n_tokens, "lm_hidden_dim": cfg.d_model,
       "lm_inter_dim": cfg.d_inner, "lm_n_heads": cfg.n_heads, "lm_n_kv_heads": cfg.n_kv_heads,
       "lm_dropout": 0.0, "dropout": 0.0, "lm_rms_eps": cfg.rms_eps, "lm_re_base": cfg.rope_base,
-      "lm_max_position_embeddings": 4096, "lm_attn_scaling": 1.0, "lm_tie_weights": False,
+      "lm_max_position_embeddings": cfg.max_seq_len, "lm_attn_scaling": 1.0, "lm_tie_weights": False,
       "id_to_script": {"259": "<en>", "260": "<eot>"},
       "all_script_ids_dict": {"<en>": [cfg.bp_prior, cfg.bp_prior_std],
                               "<eot>": [cfg.bp_prior, cfg.bp_prior_std]},
@@ -86,7 +87,7 @@ def config_to_upstream(cfg: ModelConfig) -> dict:
       "activation_function": "gelu", "temp": cfg.bp_temp, "use_binomial": False,
       "s_lower_bound": int(cfg.bp_lower_k) if float(cfg.bp_lower_k).is_integer() else cfg.bp_lower_k,
       "spikes_left": 2, "use_group_attn": cfg.n_mbp > 0, "attn_type": "prev_group_self",
-      "ignore_index": -100, "seq_len": 4096,
+      "ignore_index": -100, "seq_len": cfg.max_seq_len,
   }
   if cfg.n_mlp_mbp:
     out["mlp_mbp_heads"] = cfg.n_mlp_mbp

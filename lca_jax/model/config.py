@@ -46,6 +46,7 @@ class ModelConfig:
   spacebyte_max_group: int = 16
   max_latent_ratio: float = 1.0
   rope_base: float = 100000.0
+  max_seq_len: int = 4096  # longest context (prompt + generation) the decoder accepts
   rms_eps: float = 1e-6
   dropout: float = 0.0
   attention_impl: str = "xla"

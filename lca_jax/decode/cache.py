@@ -1,0 +1,242 @@
+"""Hierarchical KV caches and the one function that feeds bytes through them.
+
+Every stack is causal in byte (or latent) order with values fixed once a byte is processed,
+so each keeps a plain KV cache: the encoder and next-byte decoder over bytes, the LM module
+over latent slots (extended only when groups close, several per call if needed), the LCA-MBP
+head over bytes (its LCA mask is a subset of the causal one). ``extend`` feeds K new bytes per
+row (ragged: ``k_B`` of them are real); positions past a row's real length may hold garbage,
+which is always overwritten before any query can see it (every mask also requires key <= query).
+Rollback (speculative modes) only resets per-row lengths and running sums.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from lca_jax.model import boundaries as bnd
+from lca_jax.model.config import ModelConfig
+from lca_jax.model.hierarchical import ByteLM
+from lca_jax.model.layers import write_rows
+
+
+@flax.struct.dataclass
+class DecodeState:
+  ids: jax.Array  # [B, L] committed bytes (prompt + accepted)
+  length: jax.Array  # [B] number of committed bytes
+  b: jax.Array  # [B, L] hard boundary of each byte
+  g: jax.Array  # [B, L] group id of each byte
+  enc: Tuple  # per-layer (k, v) [B, L, KV, E]
+  dec: Tuple
+  mbp: Tuple
+  lm: Tuple  # per-layer (k, v) [B, S, KV, E]
+  z: jax.Array  # [B, S, D] LM outputs per slot (slot 0 = null group)
+  s: jax.Array  # [B, S, D] pooled inputs per slot
+  n_closed: jax.Array  # [B] closed groups
+  open_sum: jax.Array  # [B, D] float32 sum of h_e over the open group
+  open_cnt: jax.Array  # [B] float32 bytes in the open group
+  last_nt: jax.Array  # [B, V] next-byte logits at the last committed byte
+  last_mbp: jax.Array  # [B, V] LCA-MBP logits at the last committed byte (or [B, 0])
+  last_mlp: jax.Array  # [B, k, V] MLP-MBP logits at the last committed byte (or [B, 0, 0])
+
+
+def _kv(cfg: ModelConfig, n_layers, b, length, dtype):
+  shape = (b, length, cfg.n_kv_heads, cfg.head_dim)
+  return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(n_layers))
+
+
+def _apply(cfg, params, method, *args, **kw):
+  return ByteLM(cfg).apply({"params": params}, *args, method=method, **kw)
+
+
+def _stack(cfg, params, which, x, pos, mask, caches, write_B):
+  out, new = _apply(cfg, params, ByteLM.stack_step, which, x, pos, mask, list(caches), write_B)
+  return out, tuple(new)
+
+
+def _take(x_BK, idx_B):
+  """x[b, idx[b]] for a [B, K, ...] array."""
+  return jnp.take_along_axis(x_BK, idx_B.reshape((-1, 1) + (1,) * (x_BK.ndim - 2)), axis=1)[:, 0]
+
+
+def init_state(cfg: ModelConfig, params, batch: int, length: int, with_mbp: bool) -> DecodeState:
+  """Empty caches for ``length`` bytes; the LM module has already seen the null group."""
+  dt = jnp.dtype(cfg.dtype)
+  d, v = cfg.d_model, cfg.n_tokens
+  n_slots = length + 1
+  z = s = jnp.zeros((batch, 0, d), dt)
+  lm = mbp = dec = ()
+  if cfg.hierarchical:
+    lm = _kv(cfg, cfg.n_lm, batch, n_slots, dt)
+    dec = _kv(cfg, cfg.n_dec, batch, length, dt)
+    if with_mbp and cfg.has_lca:
+      mbp = _kv(cfg, cfg.n_mbp, batch, length, dt)
+    null = jnp.broadcast_to(params["null_group"].astype(dt), (batch, 1, d))
+    zero = jnp.zeros((batch,), jnp.int32)
+    z0, lm = _stack(cfg, params, "lm", null, jnp.zeros((batch, 1), jnp.int32),
+                    jnp.broadcast_to(jnp.arange(n_slots) == 0, (batch, 1, n_slots)), lm, zero)
+    z = write_rows(jnp.zeros((batch, n_slots, d), dt), z0, zero)
+    s = write_rows(jnp.zeros((batch, n_slots, d), dt), null, zero)
+  k_mlp = cfg.n_mlp_mbp if with_mbp else 0
+  return DecodeState(
+      ids=jnp.zeros((batch, length), jnp.int32), length=jnp.zeros((batch,), jnp.int32),
+      b=jnp.zeros((batch, length), jnp.int32), g=jnp.zeros((batch, length), jnp.int32),
+      enc=_kv(cfg, cfg.n_enc, batch, length, dt), dec=dec, mbp=mbp, lm=lm, z=z, s=s,
+      n_closed=jnp.zeros((batch,), jnp.int32), open_sum=jnp.zeros((batch, d), jnp.float32),
+      open_cnt=jnp.zeros((batch,), jnp.float32), last_nt=jnp.zeros((batch, v), jnp.float32),
+      last_mbp=jnp.zeros((batch, v if (with_mbp and cfg.has_lca) else 0), jnp.float32),
+      last_mlp=jnp.zeros((batch, k_mlp, v if k_mlp else 0), jnp.float32))
+
+
+def _segmented_running_sum(reset_BK, x_BKD, carry_BD):
+  """r_i = x_i + (0 if reset_i else r_{i-1}), r_{-1} = carry: an associative (log-depth) scan."""
+  flags = jnp.concatenate([jnp.ones_like(reset_BK[:, :1]), reset_BK], axis=1)
+  vals = jnp.concatenate([carry_BD[:, None], x_BKD], axis=1)
+
+  def combine(a, b):
+    fa, va = a
+    fb, vb = b
+    return fa | fb, jnp.where(fb[..., None], vb, va + vb)
+
+  _, out = jax.lax.associative_scan(combine, (flags, vals), axis=1)
+  return out[:, 1:]
+
+
+def _spacebyte_closes(cfg, state, new_ids_BK, valid_BK):
+  """SpaceByte rule continued from the committed bytes (previous byte and open group length)."""
+  prev_id = _take(state.ids, jnp.maximum(state.length - 1, 0))
+  prev_sl = bnd._space_like(prev_id[:, None])[:, 0] & (state.length > 0)  # pylint: disable=protected-access
+  sl = bnd._space_like(new_ids_BK)  # pylint: disable=protected-access
+
+  def step(carry, inp):
+    prev, glen = carry
+    s_t, ok = inp
+    close = ((s_t & ~prev) | (glen + 1 >= cfg.spacebyte_max_group)) & ok
+    return (jnp.where(ok, s_t, prev), jnp.where(close, 0, jnp.where(ok, glen + 1, glen))), close
+
+  init = (prev_sl, state.open_cnt.astype(jnp.int32))
+  _, closes = jax.lax.scan(step, init, (sl.T, valid_BK.T))
+  return closes.T
+
+
+def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_mbp: bool):
+  """Feed K bytes per row (the first ``k_B`` real) through every stack. Returns the new state
+  and per-position outputs: logits of each head and the running values needed for rollback."""
+  b, k = new_ids_BK.shape
+  length_cap = state.ids.shape[1]
+  j = jnp.arange(k)[None, :]
+  pos = state.length[:, None] + j
+  valid = j < k_B[:, None]
+  last = jnp.maximum(k_B - 1, 0)
+  has_new = k_B > 0
+  ids = write_rows(state.ids, new_ids_BK, state.length)
+  causal = jnp.arange(length_cap)[None, None, :] <= pos[:, :, None]
+  x = _apply(cfg, params, ByteLM.embed, new_ids_BK)
+  h, enc = _stack(cfg, params, "encoder", x, pos, causal, state.enc, state.length)
+  out = {}
+  keep = lambda new, old: jnp.where(has_new.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+  if not cfg.hierarchical:
+    nt = _apply(cfg, params, ByteLM.logits, h)
+    out["nt_logits"] = nt
+    return state.replace(ids=ids, length=state.length + k_B, enc=enc,
+                         last_nt=keep(_take(nt, last), state.last_nt)), out
+
+  # boundaries and the running sums of the open group
+  if cfg.boundaries == "spacebyte":
+    closes = _spacebyte_closes(cfg, state, new_ids_BK, valid)
+  else:
+    closes = bnd.hard_boundaries(_apply(cfg, params, ByteLM.boundary_logits, h)) > 0
+  closes = closes & valid
+  prev_close = jnp.concatenate([jnp.zeros_like(closes[:, :1]), closes[:, :-1]], axis=1)
+  rs = _segmented_running_sum(prev_close, h.astype(jnp.float32), state.open_sum)
+  cnt = _segmented_running_sum(prev_close, jnp.ones((b, k, 1), jnp.float32),
+                               state.open_cnt[:, None])[..., 0]
+  pooled = (rs / (cnt[..., None] + 1e-9)).astype(h.dtype)
+
+  # new latent slots: closing bytes, compacted in order, appended after n_closed
+  cum = jnp.cumsum(closes.astype(jnp.int32), axis=1)
+  dest = jnp.where(closes, cum - 1, k)
+  new_s = jnp.zeros_like(pooled).at[jnp.arange(b)[:, None], dest].set(pooled, mode="drop")
+  n_slots = state.z.shape[1]
+  slot_pos = state.n_closed[:, None] + 1 + j
+  lm_mask = jnp.arange(n_slots)[None, None, :] <= slot_pos[:, :, None]
+  z_new, lm = _stack(cfg, params, "lm", new_s, slot_pos, lm_mask, state.lm, state.n_closed + 1)
+  z = write_rows(state.z, z_new, state.n_closed + 1)
+  s = write_rows(state.s, new_s, state.n_closed + 1)
+
+  u = state.n_closed[:, None] + cum  # closed groups through each new byte
+  grp = u - closes.astype(jnp.int32)
+  g = write_rows(state.g, grp, state.length)
+  bb = write_rows(state.b, closes.astype(jnp.int32), state.length)
+  z_up = jnp.take_along_axis(z, u[..., None], axis=1)
+  h_nt, dec = _stack(cfg, params, "decoder", z_up + h, pos, causal, state.dec, state.length)
+  nt = _apply(cfg, params, ByteLM.logits, h_nt)
+  out.update(nt_logits=nt, rs=rs, cnt=cnt, closes=closes, n_closed=u)
+  new = dict(ids=ids, length=state.length + k_B, b=bb, g=g, enc=enc, dec=dec, lm=lm, z=z, s=s,
+             n_closed=state.n_closed + cum[:, -1])
+  closed_last = _take(closes, last)
+  new["open_sum"] = keep(jnp.where(closed_last[:, None], 0.0, _take(rs, last)), state.open_sum)
+  new["open_cnt"] = keep(jnp.where(closed_last, 0.0, _take(cnt, last)), state.open_cnt)
+  new["last_nt"] = keep(_take(nt, last), state.last_nt)
+  if with_mbp and cfg.has_lca:
+    m = z_up + jnp.take_along_axis(s, u[..., None], axis=1)
+    mask = _lca_cache_mask(g, grp, pos, length_cap)
+    h_m, mbp = _stack(cfg, params, "mbp", m, pos, mask, state.mbp, state.length)
+    mbp_logits = _apply(cfg, params, ByteLM.logits, h_m)
+    out["mbp_logits"] = mbp_logits
+    new.update(mbp=mbp, last_mbp=keep(_take(mbp_logits, last), state.last_mbp))
+  if with_mbp and cfg.n_mlp_mbp:
+    mlp = jnp.stack([_apply(cfg, params, ByteLM.logits,
+                            _apply(cfg, params, ByteLM.mlp_head, i, h_nt))
+                     for i in range(cfg.n_mlp_mbp)], axis=1)  # [B, k, K, V]
+    out["mlp_logits"] = mlp
+    new["last_mlp"] = keep(jnp.take_along_axis(mlp, last[:, None, None, None], axis=2)[:, :, 0],
+                           state.last_mlp)
+  return state.replace(**new), out
+
+
+def _lca_cache_mask(g_BL, grp_BK, pos_BK, length_cap):
+  """LCA mask of K queries (groups grp, positions pos) against the byte cache (groups g)."""
+  idx = jnp.arange(length_cap)[None, None, :]
+  gi, gj, i = grp_BK[:, :, None], g_BL[:, None, :], pos_BK[:, :, None]
+  return (idx <= i) & ((idx == i) | (gj == gi - 1) | ((gj == gi) & (idx < i)))
+
+
+def mbp_copies(cfg: ModelConfig, params, state: DecodeState, n_copies: int):
+  """LCA-MBP logits at ``n_copies`` copies appended after the last byte t (boundary 0, input
+  m_t, RoPE positions t+1..): candidates for x_{t+3}, ... The cache update is discarded."""
+  b = state.length.shape[0]
+  length_cap = state.ids.shape[1]
+  u = state.n_closed  # the copies sit in group u (after t if b_t = 1, else t's group)
+  m = (_take(state.z, u) + _take(state.s, u))[:, None, :]
+  m = jnp.broadcast_to(m, (b, n_copies, m.shape[-1]))
+  pos = state.length[:, None] + jnp.arange(n_copies)[None, :]
+  grp = jnp.broadcast_to(u[:, None], (b, n_copies))
+  g = write_rows(state.g, grp, state.length)
+  mask = _lca_cache_mask(g, grp, pos, length_cap)
+  h, _ = _stack(cfg, params, "mbp", m, pos, mask, state.mbp, state.length)
+  return _apply(cfg, params, ByteLM.logits, h)
+
+
+def rollback(state: DecodeState, old: DecodeState, out: dict, a_B) -> DecodeState:
+  """Keep only the first ``a_B`` bytes fed by the last ``extend`` (which started at ``old``)."""
+  last = jnp.maximum(a_B - 1, 0)
+  has = a_B > 0
+  sel = lambda x: _take(x, last)
+  keep = lambda new, prev: jnp.where(has.reshape((-1,) + (1,) * (prev.ndim - 1)), new, prev)
+  new = dict(length=old.length + a_B, last_nt=keep(sel(out["nt_logits"]), old.last_nt))
+  if "rs" in out:
+    closed_last = sel(out["closes"])
+    new.update(
+        n_closed=keep(sel(out["n_closed"]), old.n_closed),
+        open_sum=keep(jnp.where(closed_last[:, None], 0.0, sel(out["rs"])), old.open_sum),
+        open_cnt=keep(jnp.where(closed_last, 0.0, sel(out["cnt"])), old.open_cnt))
+  if "mbp_logits" in out:
+    new["last_mbp"] = keep(sel(out["mbp_logits"]), old.last_mbp)
+  if "mlp_logits" in out:
+    new["last_mlp"] = keep(
+        jnp.take_along_axis(out["mlp_logits"], last[:, None, None, None], axis=2)[:, :, 0],
+        old.last_mlp)
+  return state.replace(**new)

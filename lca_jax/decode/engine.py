@@ -1,0 +1,331 @@
+"""The decode engine: prefill, then one ``jax.lax.while_loop`` whose body is one decode step.
+
+Modes (DESIGN §3) are small policies over the same cached ``extend``:
+  * ``ntp``: one byte per step from the next-byte head.
+  * ``threshold``: next byte from the NT head, then MBP candidates accepted left to right while
+    their probability is >= tau (n bytes proposed per step, n chosen at call time).
+  * ``verify``: the MBP head drafts, the NT head verifies in one extend of n bytes; greedy output
+    equals ``ntp`` exactly; with sampling, speculative sampling keeps the NT distribution.
+  * ``drafter``: a second model verifies what this (LCA-MBP or MLP-MBP) model drafts; the output
+    equals the verifier's own decoding.
+MLP-MBP models draft from their MLP heads in every multi-byte mode. Rows of a batch advance
+independently (ragged prompts, per-row acceptance, per-row stop at eos or the byte budget).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, List, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lca_jax import vocab
+from lca_jax.decode import cache
+from lca_jax.decode.sampling import SamplingParams, choose, log_probs, speculative_accept
+from lca_jax.model.config import ModelConfig
+
+MODES = ("ntp", "threshold", "verify", "drafter")
+
+
+class DecodeError(ValueError):
+  """A generate() request that cannot be served (bad mode, prompt too long, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything static about a decode call (one compilation per Plan and shape)."""
+  mode: str
+  n: int
+  greedy: bool
+  ignore_eos: bool
+  max_bytes: int
+  source: str  # where candidates come from: "lca", "mlp" or "" (ntp)
+
+  @property
+  def max_steps(self) -> int:
+    return 2 * self.max_bytes + 2
+
+  @property
+  def width(self) -> int:  # bytes fed per step
+    return 1 if self.mode == "ntp" else self.n
+
+
+def _leading(ok_BN):
+  return jnp.sum(jnp.cumprod(ok_BN.astype(jnp.int32), axis=-1), axis=-1)
+
+
+def _draft(cfg: ModelConfig, params, st, plan: Plan, key, sp, pending):
+  """n drafted bytes [B, n], their probabilities and draft log-probs [B, n, V]."""
+  k1, k2 = jax.random.split(key)
+  t1, p1, l1 = choose(st.last_nt, k1, sp, plan.greedy)
+  forced = pending >= 0
+  t1 = jnp.where(forced, pending, t1)
+  if plan.n == 1:
+    return t1[:, None], p1[:, None], l1[:, None], forced
+  if plan.source == "mlp":
+    cand = st.last_mlp[:, : plan.n - 1]
+  else:
+    cand = st.last_mbp[:, None]
+    if plan.n > 2:
+      cand = jnp.concatenate([cand, cache.mbp_copies(cfg, params, st, plan.n - 2)], axis=1)
+  tc, pc, lc = choose(cand, k2, sp, plan.greedy)
+  return (jnp.concatenate([t1[:, None], tc], 1), jnp.concatenate([p1[:, None], pc], 1),
+          jnp.concatenate([l1[:, None], lc], 1), forced)
+
+
+def _finalize(plan: Plan, d_BK, a_B, carry):
+  """Cut each row's accepted bytes at eos (unless ignored) and at the byte budget."""
+  a = jnp.where(carry["done"], 0, a_B)
+  done = carry["done"]
+  if not plan.ignore_eos:
+    is_eos = (d_BK == vocab.EOS_ID) & (jnp.arange(d_BK.shape[1])[None] < a[:, None])
+    first = jnp.argmax(is_eos, axis=1)
+    hit = jnp.any(is_eos, axis=1)
+    a = jnp.where(hit, first + 1, a)
+    done = done | hit
+  a = jnp.minimum(a, plan.max_bytes - carry["gen"])
+  done = done | (carry["gen"] + a >= plan.max_bytes)
+  return a, done
+
+
+def _step(cfgs, params, plan: Plan, tau, sp, carry):
+  cfg, dcfg = cfgs
+  p_t, p_d = params
+  key, k_draft, k_acc = jax.random.split(carry["key"], 3)
+  st, pending = carry["st"], carry["pending"]
+  new_pending = jnp.full_like(pending, -1)
+  width = plan.width
+  n_cand = jnp.zeros_like(pending)
+  if plan.mode == "drafter":
+    dst = carry["dst"]
+    d, _, lq, forced = _draft(dcfg, p_d, dst, plan, k_draft, sp, pending)
+    full = jnp.full_like(pending, width)
+    st_x, out = cache.extend(cfg, p_t, st, d, full, False)
+    target = jnp.concatenate([st.last_nt[:, None], out["nt_logits"]], axis=1)  # [B, n+1, V]
+    if plan.greedy:
+      best = jnp.argmax(target, axis=-1).astype(jnp.int32)
+      a = _leading(d == best[:, :width])
+      bonus = jnp.take_along_axis(best, a[:, None], 1)[:, 0]
+    else:
+      lp = log_probs(target, sp)
+      lq = lq.at[:, 0].set(jnp.where(forced[:, None], lp[:, 0], lq[:, 0]))
+      a, repl = speculative_accept(d, lq, lp[:, :width], k_acc)
+      tail = jax.random.categorical(jax.random.fold_in(k_acc, 1), lp[:, width]).astype(jnp.int32)
+      bonus = jnp.where(a < width, repl, tail)
+    a, done = _finalize(plan, d, a, carry)
+    st = cache.rollback(st_x, st, out, a)
+    dst, _ = cache.extend(dcfg, p_d, dst, d, a, True)
+    carry = dict(carry, dst=dst)
+    new_pending = jnp.where(done, -1, bonus)
+    n_cand = jnp.where(carry["done"], 0, width)
+    acc = a
+  elif plan.mode == "verify":
+    d, _, lq, forced = _draft(cfg, p_t, st, plan, k_draft, sp, pending)
+    full = jnp.full_like(pending, width)
+    st_x, out = cache.extend(cfg, p_t, st, d, full, True)
+    check = out["nt_logits"][:, : width - 1]  # position t+1+i predicts d_{i+2}
+    if plan.greedy:
+      a = 1 + _leading(d[:, 1:] == jnp.argmax(check, axis=-1))
+    else:
+      n_acc, repl = speculative_accept(d[:, 1:], lq[:, 1:], log_probs(check, sp), k_acc)
+      a = 1 + n_acc
+      new_pending = jnp.where(n_acc < width - 1, repl, -1)
+    a, done = _finalize(plan, d, a, carry)
+    st = cache.rollback(st_x, st, out, a)
+    new_pending = jnp.where(done, -1, new_pending)
+    n_cand = jnp.where(carry["done"], 0, width - 1)
+    acc = jnp.maximum(a - 1, 0)
+  else:  # ntp / threshold
+    d, p, _, _ = _draft(cfg, p_t, st, plan, k_draft, sp, pending)
+    if plan.mode == "threshold":
+      a = 1 + _leading(p[:, 1:] >= tau)
+      n_cand = jnp.where(carry["done"], 0, width - 1)
+    else:
+      a = jnp.ones_like(pending)
+    a, done = _finalize(plan, d, a, carry)
+    st, _ = cache.extend(cfg, p_t, st, d, a, plan.mode == "threshold")
+    acc = jnp.maximum(a - 1, 0)
+  step = carry["step"]
+  return dict(
+      carry, st=st, key=key, pending=new_pending, done=done, gen=carry["gen"] + a, step=step + 1,
+      per_step=carry["per_step"].at[step].set(a), n_cand=carry["n_cand"] + n_cand,
+      n_acc=carry["n_acc"] + jnp.where(n_cand > 0, acc, 0))
+
+
+def _run(cfgs, plan: Plan, length: int, params, prompt_BP, plen_B, key, tau, sp):
+  """Prefill + while_loop. Everything here is traced once per (cfgs, plan, shapes)."""
+  cfg, dcfg = cfgs
+  p_t, p_d = params
+  b = prompt_BP.shape[0]
+  target_mbp = plan.mode in ("threshold", "verify")
+  st = cache.init_state(cfg, p_t, b, length, target_mbp)
+  st, _ = cache.extend(cfg, p_t, st, prompt_BP, plen_B, target_mbp)
+  carry = dict(st=st, key=key, pending=jnp.full((b,), -1, jnp.int32),
+               done=jnp.zeros((b,), bool), gen=jnp.zeros((b,), jnp.int32),
+               step=jnp.zeros((), jnp.int32),
+               per_step=jnp.zeros((plan.max_steps, b), jnp.int32),
+               n_cand=jnp.zeros((b,), jnp.int32), n_acc=jnp.zeros((b,), jnp.int32),
+               closed0=st.n_closed)
+  if plan.mode == "drafter":
+    dst = cache.init_state(dcfg, p_d, b, length, True)
+    carry["dst"], _ = cache.extend(dcfg, p_d, dst, prompt_BP, plen_B, True)
+  cond = lambda c: jnp.any(~c["done"]) & (c["step"] < plan.max_steps)
+  body = lambda c: _step(cfgs, params, plan, tau, sp, c)
+  c = jax.lax.while_loop(cond, body, carry)
+  st = c["st"]
+  return dict(ids=st.ids, length=st.length, boundaries=st.b, per_step=c["per_step"],
+              steps=c["step"], n_cand=c["n_cand"], n_acc=c["n_acc"],
+              latents=st.n_closed - c["closed0"], gen=c["gen"])
+
+
+_COMPILED = {}
+
+
+def _compiled(cfgs, plan, length, args):
+  """One XLA executable per static signature; reused across calls (no retracing)."""
+  shapes = tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args))
+  sig = (cfgs, plan, length, shapes)
+  if sig not in _COMPILED:
+    t0 = time.perf_counter()
+    fn = jax.jit(lambda *a: _run(cfgs, plan, length, *a))
+    _COMPILED[sig] = (fn.lower(*args).compile(), time.perf_counter() - t0)
+  return _COMPILED[sig]
+
+
+def compiled_count() -> int:
+  return len(_COMPILED)
+
+
+@dataclasses.dataclass
+class GenerateResult:
+  texts: List[str]
+  ids: List[np.ndarray]  # generated vocabulary ids per row (DESIGN §1)
+  prompt_boundaries: List[np.ndarray]
+  boundaries: List[np.ndarray]  # boundaries of the generated bytes (hierarchical models)
+  accepted_per_step: List[List[int]]
+  histogram: dict  # bytes committed per step -> count
+  acceptance_rate: float  # accepted candidates / proposed candidates (NaN in ntp mode)
+  latent_steps_per_byte: float
+  bytes_per_s: float
+  elapsed_s: float
+  compile_s: float
+  steps: int
+
+  def to_dict(self):
+    d = dataclasses.asdict(self)
+    d["ids"] = [x.tolist() for x in self.ids]
+    d["prompt_boundaries"] = [x.tolist() for x in self.prompt_boundaries]
+    d["boundaries"] = [x.tolist() for x in self.boundaries]
+    return d
+
+
+def _encode_prompts(prompts) -> List[np.ndarray]:
+  if isinstance(prompts, (str, bytes)) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
+    prompts = [prompts]
+  out = []
+  for p in prompts:
+    if isinstance(p, str):
+      out.append(vocab.encode(p))
+    elif isinstance(p, bytes):
+      out.append(vocab.encode_bytes(p))
+    else:
+      out.append(np.asarray(p, np.int32).reshape(-1))
+  return out
+
+
+def _validate(model, mode, n, drafter, prompts, max_bytes, temperature, top_p):
+  cfg = model.cfg
+  if mode not in MODES:
+    raise DecodeError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+  if mode != "ntp" and n < 2:
+    raise DecodeError(f"n must be >= 2 in {mode} mode (bytes proposed per step), got {n}")
+  if max_bytes < 1:
+    raise DecodeError(f"max_bytes must be >= 1, got {max_bytes}")
+  if temperature < 0 or not 0 < top_p <= 1:
+    raise DecodeError("temperature must be >= 0 and top_p in (0, 1]")
+  drafting = drafter.cfg if mode == "drafter" else cfg
+  if mode == "drafter" and drafter is None:
+    raise DecodeError("drafter mode needs a drafter model (an LCA-MBP or MLP-MBP checkpoint)")
+  if mode != "ntp" and not drafting.has_mbp:
+    who = "the drafter" if mode == "drafter" else "this model"
+    raise DecodeError(f"{mode} mode needs a multi-byte head, and {who} has none "
+                      f"({drafting.kind}, n_mbp={drafting.n_mbp}); use --mode ntp")
+  if mode != "ntp" and drafting.n_mlp_mbp and n - 1 > drafting.n_mlp_mbp:
+    raise DecodeError(f"an MLP-MBP model with {drafting.n_mlp_mbp} heads drafts at most "
+                      f"{drafting.n_mlp_mbp + 1} bytes per step; got n={n}")
+  if mode == "drafter" and drafter.cfg.vocab_size != cfg.vocab_size and drafter.cfg.n_tokens != cfg.n_tokens:
+    raise DecodeError("drafter and verifier use different vocabularies")
+  if not prompts:
+    raise DecodeError("no prompt given")
+  limit = min(cfg.max_seq_len, drafting.max_seq_len)
+  for i, p in enumerate(prompts):
+    if p.size == 0:
+      raise DecodeError(f"prompt {i} is empty; give at least one byte")
+    if p.size > limit:
+      raise DecodeError(f"prompt {i} is {p.size} bytes, longer than the model context ({limit} bytes)")
+    if p.min() < 0 or p.max() >= cfg.n_tokens:
+      raise DecodeError(f"prompt {i} has ids outside [0, {cfg.n_tokens})")
+
+
+def generate(model, prompts: Union[str, Sequence[Any]], mode: str = "ntp", tau: float = 0.9,
+             n: int = 3, max_bytes: int = 256, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, drafter=None,
+             pad_to: int = 32) -> GenerateResult:
+  """Decode continuations of ``prompts`` (a str, bytes, id array, or a list of them).
+
+  ``temperature == 0`` is greedy. Generation stops per row at eos (unless ``ignore_eos``) or
+  after ``max_bytes`` bytes; it is also capped so prompt + generation fits ``max_seq_len``.
+  """
+  enc = _encode_prompts(prompts)
+  _validate(model, mode, n, drafter, enc, max_bytes, temperature, top_p)
+  cfg = model.cfg
+  dcfg = drafter.cfg if mode == "drafter" else None
+  source = ""
+  if mode != "ntp":
+    source = "mlp" if (dcfg or cfg).n_mlp_mbp else "lca"
+  longest = max(p.size for p in enc)
+  limit = min(cfg.max_seq_len, (dcfg or cfg).max_seq_len)
+  max_bytes = max(1, min(max_bytes, limit - longest))
+  plan = Plan(mode, n if mode != "ntp" else 1, temperature == 0, ignore_eos, max_bytes, source)
+  p_len = -(-longest // pad_to) * pad_to
+  length = p_len + max_bytes + plan.width + 1
+  prompt = np.zeros((len(enc), p_len), np.int32)
+  for i, p in enumerate(enc):
+    prompt[i, : p.size] = p
+  plen = np.array([p.size for p in enc], np.int32)
+  sp = SamplingParams(jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p))
+  params = (model.params, drafter.params if dcfg is not None else None)
+  args = (params, jnp.asarray(prompt), jnp.asarray(plen), jax.random.PRNGKey(seed),
+          jnp.float32(tau), sp)
+  exe, compile_s = _compiled((cfg, dcfg), plan, length, args)
+  t0 = time.perf_counter()
+  res = jax.device_get(exe(*args))
+  elapsed = time.perf_counter() - t0
+  return _collect(res, enc, plan, elapsed, compile_s)
+
+
+def _collect(res, enc, plan: Plan, elapsed, compile_s) -> GenerateResult:
+  ids, texts, bds, pbds, per_step = [], [], [], [], []
+  steps = int(res["steps"])
+  hist = {}
+  for i, p in enumerate(enc):
+    g = res["ids"][i, p.size: res["length"][i]]
+    ids.append(g)
+    texts.append(vocab.decode(g))
+    pbds.append(res["boundaries"][i, : p.size])
+    bds.append(res["boundaries"][i, p.size: res["length"][i]])
+    row = [int(x) for x in res["per_step"][:steps, i] if x > 0]
+    per_step.append(row)
+    for x in row:
+      hist[x] = hist.get(x, 0) + 1
+  total = int(np.sum(res["gen"]))
+  n_cand = int(np.sum(res["n_cand"]))
+  return GenerateResult(
+      texts=texts, ids=ids, prompt_boundaries=pbds, boundaries=bds, accepted_per_step=per_step,
+      histogram=dict(sorted(hist.items())),
+      acceptance_rate=float(np.sum(res["n_acc"]) / n_cand) if n_cand else float("nan"),
+      latent_steps_per_byte=float(np.sum(res["latents"]) / max(total, 1)),
+      bytes_per_s=total / elapsed if elapsed > 0 else float("inf"), elapsed_s=elapsed,
+      compile_s=compile_s, steps=steps)

@@ -1,0 +1,70 @@
+"""Turning logits into bytes: temperature, top-k, top-p, greedy; speculative acceptance."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+NEG = -1e30
+
+
+class SamplingParams(NamedTuple):
+  """Dynamic sampling knobs (traced: no recompilation when they change)."""
+  temperature: jax.Array  # > 0 (ignored when greedy)
+  top_k: jax.Array  # int32, 0 = off
+  top_p: jax.Array  # float32, 1.0 = off
+
+
+def log_probs(logits, sp: SamplingParams):
+  """Log-probabilities of the processed distribution (temperature, then top-k, then top-p)."""
+  x = logits.astype(jnp.float32) / jnp.maximum(sp.temperature, 1e-6)
+  v = x.shape[-1]
+  srt = jnp.sort(x, axis=-1)[..., ::-1]
+  k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v)
+  kth = jnp.take_along_axis(srt, jnp.broadcast_to(k - 1, x.shape[:-1])[..., None].astype(jnp.int32), -1)
+  x = jnp.where(x < kth, NEG, x)
+  srt = jnp.where(srt < kth, NEG, srt)
+  cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
+  # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+  n_keep = jnp.sum((cum - jax.nn.softmax(srt, axis=-1)) <= sp.top_p, axis=-1, keepdims=True)
+  cutoff = jnp.take_along_axis(srt, jnp.maximum(n_keep - 1, 0), -1)
+  x = jnp.where((x < cutoff) & (sp.top_p < 1.0), NEG, x)
+  return jax.nn.log_softmax(x, axis=-1)
+
+
+def choose(logits, key, sp: SamplingParams, greedy: bool):
+  """(token, probability of that token under the processed distribution, log-probs).
+
+  Greedy picks the argmax of the raw logits; its probability is the plain softmax (as upstream).
+  """
+  if greedy:
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  else:
+    lp = log_probs(logits, sp)
+    tok = jax.random.categorical(key, lp, axis=-1).astype(jnp.int32)
+  p = jnp.exp(jnp.take_along_axis(lp, tok[..., None], -1)[..., 0])
+  return tok, p, lp
+
+
+def speculative_accept(draft, lq, lp, key):
+  """Leviathan et al. acceptance of draft tokens [B, N] drafted from log-probs lq [B, N, V],
+  checked against target log-probs lp [B, N, V] (target at the same positions).
+
+  Returns (number of leading accepted drafts [B], replacement token at the first rejection [B]
+  sampled from norm(max(p - q, 0)) (undefined where all were accepted)).
+  """
+  k_u, k_r = jax.random.split(key)
+  q_tok = jnp.exp(jnp.take_along_axis(lq, draft[..., None], -1)[..., 0])
+  p_tok = jnp.exp(jnp.take_along_axis(lp, draft[..., None], -1)[..., 0])
+  u = jax.random.uniform(k_u, draft.shape)
+  ok = u * q_tok <= p_tok
+  n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)
+  idx = jnp.minimum(n_acc, draft.shape[1] - 1)
+  p_r = jnp.exp(jnp.take_along_axis(lp, idx[:, None, None], 1)[:, 0])
+  q_r = jnp.exp(jnp.take_along_axis(lq, idx[:, None, None], 1)[:, 0])
+  resid = jnp.maximum(p_r - q_r, 0.0)
+  resid = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, p_r)
+  repl = jax.random.categorical(k_r, jnp.log(resid + 1e-38), axis=-1).astype(jnp.int32)
+  return n_acc, repl
