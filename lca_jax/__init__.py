@@ -3,9 +3,20 @@
     import lca_jax
     model = lca_jax.load("path/to/checkpoint")   # upstream PyTorch layout or an lca-train workdir
     out = model.forward(ids)                      # ntp_logits, mbp_logits, boundaries
-"""
-from lca_jax.api import LoadError, Model, load
-from lca_jax.model.config import ModelConfig
+    res = model.generate("Once upon", mode="threshold", tau=0.9, n=3)
 
-__all__ = ["load", "Model", "LoadError", "ModelConfig"]
+Heavy modules (jax, flax) are imported on first use, so ``lca_jax.data`` and ``lca_jax.vocab``
+stay light (grain worker processes import them).
+"""
 __version__ = "0.1.0"
+__all__ = ["load", "Model", "LoadError", "ModelConfig"]
+
+
+def __getattr__(name):
+  if name in ("load", "Model", "LoadError"):
+    from lca_jax import api  # pylint: disable=g-import-not-at-top
+    return getattr(api, name)
+  if name == "ModelConfig":
+    from lca_jax.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+    return ModelConfig
+  raise AttributeError(f"module 'lca_jax' has no attribute {name!r}")
