@@ -96,7 +96,7 @@ class ByteLM(nn.Module):
     nxt = jnp.concatenate([doc_BT[:, 1:], doc_BT[:, -1:]], axis=1)
     forced = (nxt != doc_BT) & (doc_BT != 0)  # a document's last byte closes its group
     if c.boundaries == "spacebyte":
-      b = bnd.spacebyte_boundaries(ids_BT, c.spacebyte_max_group, forced)
+      b = bnd.spacebyte_boundaries(ids_BT, c.spacebyte_max_group, forced, doc_BT)
     else:
       logits = self.boundary_logits(h_BTD)
       if train:
@@ -170,7 +170,8 @@ def init_params(cfg: ModelConfig, rng, seq_len: int = 16, batch: int = 1):
   """Parameters (boxed with logical axis names) of ``ByteLM(cfg)``."""
   model = ByteLM(cfg)
   ids = jnp.zeros((batch, seq_len), jnp.int32)
-  return model.init({"params": rng, "gumbel": rng, "dropout": rng}, ids, train=False)["params"]
+  init = jax.jit(lambda r: model.init({"params": r, "gumbel": r, "dropout": r}, ids, train=False))
+  return init(rng)["params"]
 
 
 def count_params(params) -> int:

@@ -1,0 +1,271 @@
+"""The decode engine against the uncached full forward (never against itself)."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lca_jax
+from lca_jax import vocab
+from lca_jax.api import Model
+from lca_jax.decode import cache, engine
+from lca_jax.model import pooling
+from lca_jax.model.config import ModelConfig
+from lca_jax.model.hierarchical import ByteLM, init_params
+
+REF = os.path.join(os.path.dirname(__file__), "data", "reference")
+TINY = dict(d_model=32, d_inner=64, n_heads=2, n_kv_heads=1, vocab_size=261, n_enc=1, n_lm=1,
+            n_dec=1, n_mbp=2, max_seq_len=512)
+VARIANTS = {
+    "lca": dict(),
+    "mlp": dict(n_mbp=0, n_mlp_mbp=3),
+    "spacebyte": dict(n_mbp=0, boundaries="spacebyte", spacebyte_max_group=4),
+    "fxt": dict(n_mbp=0),
+    "flat": dict(kind="flat", n_lm=0, n_dec=0, n_mbp=0, n_enc=2),
+}
+
+
+def scale_params(params, factor):
+  """Bigger weights: peaked distributions and boundary logits away from 0."""
+  return jax.tree_util.tree_map(lambda x: x * factor, params)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(name, seed=0, factor=8.0, bp_bias=0.0):
+  cfg = ModelConfig(**{**TINY, **VARIANTS[name]})
+  params = jax.tree_util.tree_map(jnp.asarray, scale_params(
+      lca_jax.api.nn.unbox(init_params(cfg, jax.random.PRNGKey(seed))), factor))
+  if cfg.hierarchical and cfg.boundaries == "learned":
+    # bias the predictor so that ~1/3 of bytes close a group (several closes per step happen)
+    params["boundary_predictor"]["fc2"]["bias"] = params["boundary_predictor"]["fc2"]["bias"] + bp_bias
+  return Model(cfg, params, source=name)
+
+
+def random_ids(rng, t):
+  return rng.integers(3, 259, size=t).astype(np.int32)
+
+
+# ---- reference vectors of the paper's code -------------------------------------------------
+@pytest.mark.parametrize("case", ["lca_small", "lca_gqa", "fxt_small"])
+def test_reference_decoding_vectors(case):
+  m = lca_jax.load(os.path.join(REF, case))
+  d = np.load(os.path.join(REF, case, "vectors.npz"))
+  for i in range(2):
+    prompt = d[f"input_{i}"][:24]
+    r = m.generate(prompt, mode="ntp", max_bytes=32, ignore_eos=True)
+    np.testing.assert_array_equal(r.ids[0], d[f"greedy_ntp_{i}"])
+    if case == "fxt_small":
+      continue
+    r = m.generate(prompt, mode="threshold", tau=0.0, n=4, max_bytes=32, ignore_eos=True)
+    np.testing.assert_array_equal(r.ids[0], d[f"threshold_tau0.0_n4_{i}"])
+    assert r.accepted_per_step[0] == d[f"threshold_tau0.0_n4_{i}_per_step"].tolist()
+    if case == "lca_small":
+      r = m.generate(prompt, mode="threshold", tau=0.5, n=3, max_bytes=32, ignore_eos=True)
+      np.testing.assert_array_equal(r.ids[0], d[f"threshold_tau0.5_n3_{i}"])
+      assert r.accepted_per_step[0] == d[f"threshold_tau0.5_n3_{i}_per_step"].tolist()
+      r = m.generate(prompt, mode="verify", n=4, max_bytes=32, ignore_eos=True)
+      np.testing.assert_array_equal(r.ids[0], d[f"greedy_ntp_{i}"])
+
+
+# ---- cache parity, step by step ------------------------------------------------------------
+def full_reference(model, ids_BT, n_copies):
+  """Uncached forward on the whole sequence plus LCA-MBP logits at n_copies appended copies of
+  the last byte (DESIGN §3), written from the model's stage methods, not from the cache code."""
+  cfg, mod = model.cfg, ByteLM(model.cfg)
+  out = model.forward(np.asarray(ids_BT))
+  if not cfg.has_lca or n_copies == 0:
+    return out, None
+  return out, jax.jit(functools.partial(_copies_reference, model, n_copies))(ids_BT)
+
+
+def _copies_reference(model, n_copies, ids_BT):
+  cfg, mod = model.cfg, ByteLM(model.cfg)
+  ap = lambda method, *a: mod.apply({"params": model.params}, *a, method=method)
+  b, t = ids_BT.shape
+  doc = jnp.ones_like(ids_BT)
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  h = ap(ByteLM.encode, ids_BT, doc, pos)
+  bst, bh = mod.apply({"params": model.params}, ids_BT, h, doc, False, method=ByteLM.decide)
+  plan = pooling.plan_latents(bh, doc, cfg.latent_capacity(t))
+  s = pooling.downsample(h, bst, plan, model.params["null_group"])
+  z = ap(ByteLM.latent, s, plan)
+  m = pooling.upsample(z, plan) + pooling.upsample(s, plan)
+  u_last = plan.group_BT[:, -1] + bh[:, -1].astype(jnp.int32)
+  m_ext = jnp.concatenate([m, jnp.repeat(m[:, -1:], n_copies, axis=1)], axis=1)
+  g_ext = jnp.concatenate([plan.group_BT, jnp.repeat(u_last[:, None], n_copies, axis=1)], axis=1)
+  pos_ext = jnp.broadcast_to(jnp.arange(t + n_copies), (b, t + n_copies))
+  h2 = ap(ByteLM.lca_head, m_ext, g_ext, jnp.ones_like(g_ext), pos_ext)
+  return ap(ByteLM.logits, h2)[:, t:]
+
+
+@pytest.mark.parametrize("name", ["lca", "mlp", "spacebyte", "flat"])
+def test_cache_parity_per_step(name):
+  """Feed chunks of 1..9 bytes (ragged across rows) through the caches; every head's logits
+  and every boundary equal the full forward, including chunks that close several groups."""
+  model = tiny_model(name, bp_bias=2.0)
+  cfg = model.cfg
+  rng = np.random.default_rng(1)
+  b, t = 2, 40
+  ids = np.stack([random_ids(rng, t) for _ in range(b)])
+  st = jax.jit(lambda: cache.init_state(cfg, model.params, b, 64, True))()
+  ext = jax.jit(lambda st, x, k: cache.extend(cfg, model.params, st, x, k, True))
+  cop = jax.jit(lambda st: cache.mbp_copies(cfg, model.params, st, 3))
+  pos = np.zeros(b, int)
+  chunks = [[5, 3], [1, 4], [3, 1], [9, 2], [2, 9], [4, 4], [1, 7]]
+  # by causality the full forward over the whole rows gives every prefix's logits
+  ref = model.forward(ids)
+  saw_multi_close = False
+  for step, ks in enumerate(chunks):
+    x = np.zeros((b, 9), np.int32)  # one shape for every chunk: one compilation
+    for r in range(b):
+      x[r, : ks[r]] = ids[r, pos[r]: pos[r] + ks[r]]
+    old_closed = np.asarray(st.n_closed)
+    st, out = ext(st, jnp.asarray(x), jnp.asarray(ks, jnp.int32))
+    new_pos = pos + ks
+    for r in range(b):
+      sl, rows = slice(0, ks[r]), slice(pos[r], new_pos[r])
+      np.testing.assert_allclose(out["nt_logits"][r, sl], ref["ntp_logits"][r, rows], atol=1e-3)
+      if cfg.has_lca:
+        np.testing.assert_allclose(out["mbp_logits"][r, sl], ref["mbp_logits"][r, rows], atol=1e-3)
+      if cfg.n_mlp_mbp:
+        np.testing.assert_allclose(out["mlp_logits"][r, :, sl], ref["mlp_mbp_logits"][r, :, rows],
+                                   atol=1e-3)
+      if cfg.hierarchical:
+        np.testing.assert_array_equal(np.asarray(st.b[r, : new_pos[r]]),
+                                      ref["boundaries"][r, : new_pos[r]])
+        saw_multi_close |= int(st.n_closed[r]) - int(old_closed[r]) >= 2
+    pos = new_pos
+    if cfg.has_lca and step == 4:  # appended copies: against a forward that ends at t
+      copies = cop(st)
+      for r in range(b):
+        _, ref_copies = full_reference(model, jnp.asarray(ids[r: r + 1, : pos[r]]), 3)
+        np.testing.assert_allclose(copies[r], ref_copies[0], atol=1e-3)
+  if cfg.hierarchical:
+    assert saw_multi_close
+
+
+def test_rollback_equals_shorter_extend():
+  model = tiny_model("lca", bp_bias=2.0)
+  cfg = model.cfg
+  rng = np.random.default_rng(2)
+  ids = random_ids(rng, 30)[None]
+  ext = jax.jit(lambda st, x, k: cache.extend(cfg, model.params, st, x, k, True))
+  st0 = jax.jit(lambda: cache.init_state(cfg, model.params, 1, 48, True))()
+  pad = lambda a: jnp.asarray(np.pad(a, ((0, 0), (0, 20 - a.shape[1]))))
+  st0, _ = ext(st0, pad(ids[:, :20]), jnp.array([20]))
+  long, out = ext(st0, pad(ids[:, 20:26]), jnp.array([6]))
+  rolled = jax.jit(cache.rollback)(long, st0, out, jnp.array([3]))
+  short, _ = ext(st0, pad(ids[:, 20:23]), jnp.array([3]))
+  for f in ("length", "n_closed", "open_cnt", "open_sum", "last_nt", "last_mbp"):
+    np.testing.assert_allclose(np.asarray(getattr(rolled, f)), np.asarray(getattr(short, f)),
+                               atol=1e-5, err_msg=f)
+  # and decoding continues identically from both
+  nxt = pad(ids[:, 23:27])
+  _, oa = ext(rolled, nxt, jnp.array([4]))
+  _, ob = ext(short, nxt, jnp.array([4]))
+  np.testing.assert_allclose(oa["mbp_logits"], ob["mbp_logits"], atol=1e-5)
+  np.testing.assert_allclose(oa["nt_logits"], ob["nt_logits"], atol=1e-5)
+
+
+# ---- modes ---------------------------------------------------------------------------------
+def greedy_reference(model, prompt, steps):
+  """Greedy next-byte decoding by rerunning the full forward every byte."""
+  ids = list(prompt)
+  for _ in range(steps):
+    ids.append(int(np.argmax(model.forward(np.array(ids, np.int32))["ntp_logits"][-1])))
+  return np.array(ids[len(prompt):], np.int32)
+
+
+def test_ragged_batch_threshold_and_verify():
+  model = tiny_model("lca", bp_bias=2.0)
+  rng = np.random.default_rng(3)
+  prompts = [random_ids(rng, t) for t in (5, 17, 11)]
+  for mode in ("threshold", "verify"):
+    batch = model.generate(prompts, mode=mode, tau=0.3, n=4, max_bytes=12, ignore_eos=True)
+    for i, p in enumerate(prompts):
+      alone = model.generate([p], mode=mode, tau=0.3, n=4, max_bytes=12, ignore_eos=True)
+      np.testing.assert_array_equal(batch.ids[i], alone.ids[0])
+      assert batch.accepted_per_step[i] == alone.accepted_per_step[0]
+    if mode == "verify":
+      for i, p in enumerate(prompts):
+        np.testing.assert_array_equal(batch.ids[i], greedy_reference(model, p, 12))
+  assert engine.compiled_count() > 0
+
+
+def test_mlp_mbp_verify_equals_greedy_and_no_retrace():
+  model = tiny_model("mlp")
+  rng = np.random.default_rng(4)
+  p = random_ids(rng, 9)
+  r = model.generate(p, mode="verify", n=3, max_bytes=10, ignore_eos=True)
+  np.testing.assert_array_equal(r.ids[0], greedy_reference(model, p, 10))
+  before = engine.compiled_count()
+  r2 = model.generate(random_ids(rng, 12), mode="verify", n=3, max_bytes=10, ignore_eos=True,
+                      seed=5)
+  assert engine.compiled_count() == before  # same shapes: no new compilation
+  assert len(r2.ids[0]) == 10
+
+
+def test_drafter_output_equals_verifier():
+  drafter = tiny_model("lca", seed=1, bp_bias=2.0)
+  verifier = tiny_model("fxt", seed=2, bp_bias=2.0)
+  rng = np.random.default_rng(5)
+  prompts = [random_ids(rng, 7), random_ids(rng, 13)]
+  r = verifier.generate(prompts, mode="drafter", drafter=drafter, n=3, max_bytes=10,
+                        ignore_eos=True)
+  for i, p in enumerate(prompts):
+    np.testing.assert_array_equal(r.ids[i], greedy_reference(verifier, p, 10))
+
+
+def test_eos_stops_and_budget():
+  model = tiny_model("lca")
+  params = jax.tree_util.tree_map(lambda x: x, model.params)
+  params["head"]["kernel"] = params["head"]["kernel"].at[:, vocab.EOS_ID].add(50.0)
+  eos_model = Model(model.cfg, params)
+  r = eos_model.generate(["abc", "hello"], mode="threshold", n=3, max_bytes=8)
+  assert all(x.tolist() == [vocab.EOS_ID] for x in r.ids)
+  r = model.generate("abc", mode="ntp", max_bytes=5, ignore_eos=True)
+  assert len(r.ids[0]) == 5
+
+
+def test_speculative_sampling_matches_next_byte_distribution():
+  """verify mode with sampling: the (x1, x2) distribution is the NT head's (chi-square)."""
+  model = tiny_model("lca", factor=3.0)
+  prompt = np.array(vocab.encode("the "), np.int32)
+  rows = 1024
+  r = model.generate([prompt] * rows, mode="verify", n=3, max_bytes=2, temperature=1.0,
+                     top_k=3, seed=11, ignore_eos=True)
+  pairs = np.array([x[:2] for x in r.ids])
+  sp = engine.SamplingParams(jnp.float32(1.0), jnp.int32(3), jnp.float32(1.0))
+  p1 = np.exp(np.asarray(engine.log_probs(model.forward(prompt)["ntp_logits"][-1], sp)))
+  expected, observed = [], []
+  for a in np.nonzero(p1 > 0)[0]:
+    p2 = np.exp(np.asarray(engine.log_probs(
+        model.forward(np.append(prompt, a).astype(np.int32))["ntp_logits"][-1], sp)))
+    for b in np.nonzero(p2 > 0)[0]:
+      expected.append(rows * p1[a] * p2[b])
+      observed.append(np.sum((pairs[:, 0] == a) & (pairs[:, 1] == b)))
+  expected, observed = np.array(expected), np.array(observed)
+  assert observed.sum() == rows  # nothing outside the support
+  chi2 = np.sum((observed - expected) ** 2 / expected)
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  assert stats.chi2.sf(chi2, len(expected) - 1) > 1e-3, (observed, expected)
+  assert r.acceptance_rate > 0
+
+
+def test_clear_errors():
+  lca, fxt = tiny_model("lca"), tiny_model("fxt")
+  with pytest.raises(engine.DecodeError, match="n must be >= 2"):
+    lca.generate("ab", mode="threshold", n=1)
+  with pytest.raises(engine.DecodeError, match="multi-byte head"):
+    fxt.generate("ab", mode="threshold", n=3)
+  with pytest.raises(engine.DecodeError, match="longer than the model context"):
+    lca.generate("x" * 600, mode="ntp")
+  with pytest.raises(engine.DecodeError, match="unknown mode"):
+    lca.generate("ab", mode="beam")
+  with pytest.raises(engine.DecodeError, match="drafter"):
+    fxt.generate("ab", mode="drafter")
