@@ -31,8 +31,9 @@ Extras that upstream lacks (documented here so the JAX exporter writes exactly t
 (a) MLP-MBP (Medusa-style heads). Config field ``"mlp_mbp_heads": k`` (default 0). Keys, for
     i = 0..k-1:
         mlp_mbp.{i}.norm.weight [d]
-        mlp_mbp.{i}.fc1.weight  [lm_inter_dim, d]
-        mlp_mbp.{i}.fc2.weight  [d, lm_inter_dim]
+        mlp_mbp.{i}.fc1.weight  [inner, d]
+        mlp_mbp.{i}.fc2.weight  [d, inner]
+    where inner = config ``"mlp_mbp_inner"`` (default ``lm_inter_dim``).
     Head i reads the final hidden state h of the NT trunk (the NT decoder, stage 2; stage 0 for a
     flat model) BEFORE the final norm: h_i = h + fc2(silu(fc1(RMSNorm_i(h)))), then the shared
     final ``norm`` and ``head``; logits row t predicts x_{t+2+i} (the NT head predicts x_{t+1}).
@@ -45,6 +46,9 @@ Extras that upstream lacks (documented here so the JAX exporter writes exactly t
     its group (b_t = 1) when it is space-like and byte t-1 is not (byte 0 has no predecessor,
     which counts as not space-like), or when its group has reached m bytes (the group length
     counts from the byte after the previous boundary, forced or not).
+
+(c) ``"bp_inter_dim"`` (default ``lm_inter_dim``): hidden width of the boundary predictor, written
+    only when it differs from ``lm_inter_dim``.
 """
 
 import json
@@ -159,7 +163,7 @@ class BoundaryPredictor(torch.nn.Module):
 class MLPHead(torch.nn.Module):                       # extra (a): residual MLP-MBP head
     def __init__(self, c):
         super().__init__()
-        d, inter = c["lm_hidden_dim"], c["lm_inter_dim"]
+        d, inter = c["lm_hidden_dim"], int(c.get("mlp_mbp_inner", c["lm_inter_dim"]))
         self.norm = RMSNorm(d, c["lm_rms_eps"])
         self.fc1, self.fc2 = _linear(d, inter), _linear(inter, d)
 
@@ -225,7 +229,8 @@ class TorchHierarchicalLM(torch.nn.Module):
                 assert self.boundaries_type in ("gumbel", "unigram", "entropy", "fixed"), self.boundaries_type
                 scripts = list(c["all_script_ids_dict"])[: c.get("num_predictors", 1)]
                 self.script_to_bp_layers = torch.nn.ModuleDict({
-                    s: BoundaryPredictor(d, c["lm_inter_dim"], c.get("activation_function", "gelu")) for s in scripts})
+                    s: BoundaryPredictor(d, int(c.get("bp_inter_dim", c["lm_inter_dim"])),
+                                         c.get("activation_function", "gelu")) for s in scripts})
         k = int(c.get("mlp_mbp_heads", 0))
         if k:
             self.mlp_mbp = torch.nn.ModuleList([MLPHead(c) for _ in range(k)])

@@ -1,0 +1,119 @@
+"""lca-convert: checkpoints between lca-train work directories and the paper's PyTorch layout.
+
+    lca-convert to-torch --checkpoint DIR --out DIR [--dtype float32|bfloat16] [--step N] [--force]
+    lca-convert from-torch --torch-dir DIR --out DIR [--vocab-size N] [--force]
+                           [--config FILE [--config.SECTION.KEY=VALUE ...]]
+
+to-torch: DIR is an lca-train work directory (latest checkpoint, or --step) or an upstream
+directory; writes config.json + model.safetensors (see lca_jax/interop/upstream.py).
+from-torch: writes an lca-train work directory at step 0 that lca_jax.load / lca-sample serve
+and train.init_from=DIR fine-tunes from; with --config (and the same overrides lca-train would
+get) it holds a full train state that `lca-train --config FILE --workdir DIR` resumes.
+Errors are one line on stderr, exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _fail(msg: str, code: int = 2) -> int:
+  print(f"lca-convert: error: {msg}", file=sys.stderr, flush=True)
+  return code
+
+
+def _split_overrides(rest):
+  """['--config.a.b=1', '--config.c', '2'] -> ['a.b=1', 'c=2']; anything else is an error."""
+  out, i = [], 0
+  while i < len(rest):
+    arg = rest[i]
+    if not arg.startswith("--config."):
+      raise ValueError(f"unrecognized argument {arg!r}")
+    key = arg[len("--config."):]
+    if "=" in key:
+      out.append(key)
+      i += 1
+    elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+      out.append(f"{key}={rest[i + 1]}")
+      i += 2
+    else:
+      raise ValueError(f"override {arg!r} has no value (use --config.{key}=VALUE)")
+  return out
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):  # one line, exit 2 (argparse prints usage first otherwise)
+    raise SystemExit(_fail(message))
+
+
+def _parser():
+  p = _Parser(prog="lca-convert", description=__doc__.split("\n\n")[0])
+  sub = p.add_subparsers(dest="cmd", metavar="{to-torch,from-torch}", parser_class=_Parser)
+  sub.required = True
+  t = sub.add_parser("to-torch", help="export to config.json + model.safetensors")
+  t.add_argument("--checkpoint", required=True, help="lca-train work directory or upstream dir")
+  t.add_argument("--out", required=True, help="output directory (new or empty)")
+  t.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  t.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+  t.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+  f = sub.add_parser("from-torch", help="import into an lca-train work directory")
+  f.add_argument("--torch-dir", required=True, help="directory with config.json + model.safetensors")
+  f.add_argument("--out", required=True, help="work directory to create (new or empty)")
+  f.add_argument("--vocab-size", type=int, default=None,
+                 help="embedding rows (default: vocabulary rounded up to a multiple of 128, "
+                      "or the --config model's vocab_size)")
+  f.add_argument("--config", default=None,
+                 help="run config file: write a full train state that lca-train resumes")
+  f.add_argument("--force", action="store_true",
+                 help="overwrite a non-empty --out (its checkpoints/ and run config)")
+  return p
+
+
+def main(argv=None) -> int:
+  try:
+    args, rest = _parser().parse_known_args(argv)
+  except SystemExit as e:
+    return int(e.code or 0)
+  config = None
+  try:
+    if rest and (args.cmd != "from-torch" or not args.config):
+      raise ValueError(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "from-torch" and args.config:
+      from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
+      config = configs_io.load_config(args.config)
+      configs_io.apply_overrides(config, _split_overrides(rest))
+  except ValueError as e:  # ConfigFileError, ConfigError are ValueErrors
+    return _fail(str(e))
+
+  from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top
+  from lca_jax.interop import convert  # pylint: disable=g-import-not-at-top
+  from lca_jax.interop.upstream import CheckpointError  # pylint: disable=g-import-not-at-top
+  from lca_jax.model.config import ConfigError  # pylint: disable=g-import-not-at-top
+  errors = (convert.ConvertError, CheckpointError, LoadError, ConfigError, OSError)
+  if config is not None:
+    from lca_jax.data.sources import DataError  # pylint: disable=g-import-not-at-top
+    from lca_jax.train import loop, sharding  # pylint: disable=g-import-not-at-top
+    errors += (DataError, loop.TrainError, sharding.MeshError)
+  try:
+    if args.cmd == "to-torch":
+      out = convert.to_torch(args.checkpoint, args.out, args.dtype, step=args.step,
+                             force=args.force)
+      print(f"lca-convert: wrote {os.path.join(out, 'config.json')} and model.safetensors "
+            f"({args.dtype})", file=sys.stderr)
+    else:
+      out = convert.from_torch(args.torch_dir, args.out, vocab_size=args.vocab_size,
+                               config=config, force=args.force)
+      how = ("resume with: lca-train --config " + args.config + f" --workdir {out}"
+             if config is not None else f"fine-tune with train.init_from={out}")
+      print(f"lca-convert: wrote work directory {out} (step 0; {how})", file=sys.stderr)
+  except errors as e:
+    return _fail(str(e))
+  except KeyboardInterrupt:
+    print("lca-convert: interrupted", file=sys.stderr)
+    return 130
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
