@@ -1,0 +1,10 @@
+"""Pretraining: sharded train state, jitted step, checkpoints, metrics and the loop.
+
+    from lca_jax.train.loop import train_and_evaluate
+    result = train_and_evaluate(config, "workdirs/run")   # resumes if the workdir has a checkpoint
+
+Modules: sharding (mesh, logical rules), optim (Adam + warmup/cosine), state (TrainState,
+sharded init), step (train/eval steps), checkpoint (orbax, load_for_inference), metrics
+(jsonl/TensorBoard/MFU), loop (train_and_evaluate). Imported lazily: ``lca_jax.load`` only
+needs ``checkpoint``.
+"""

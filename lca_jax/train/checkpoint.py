@@ -1,0 +1,254 @@
+"""Checkpoints of an lca-train work directory (orbax), and loading them for inference.
+
+Layout of WORKDIR:
+  train_config.json      {"model": ModelConfig fields, "config": the full run config}
+  checkpoints/<step>/    orbax Composite items
+      params, opt_state               StandardSave (sharded arrays; restorable onto any mesh)
+      step, rng                       StandardSave of {"step": int32} and {"key": uint32[2]}
+      data                            the grain iterator state (grain.checkpoint handler)
+      meta                            JSON: model config, step, bytes seen
+
+``step`` is the number of optimizer steps completed. Saving is asynchronous (the arrays are
+copied to host before ``save`` returns, so the next, donating train step is safe); the data
+iterator state is captured at save time. Restores take their target shardings from the
+abstract state of the *current* mesh, so a run can resume on a different device layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+from lca_jax.model.config import ModelConfig
+
+CKPT_DIR = "checkpoints"
+CONFIG_FILE = "train_config.json"
+
+# Config fields that may differ between a checkpoint and the run resuming it.
+RESUME_MUTABLE = (
+    "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+    "train.checkpoint_every", "train.keep_checkpoints", "train.progress_bar", "train.init_from",
+    "train.micro_batch_size", "train.peak_tflops", "train.tensorboard",
+    "train.async_checkpointing", "data.eval_files", "model.attention_impl", "model.remat",
+    "model.max_seq_len",
+    "mesh.data", "mesh.fsdp", "mesh.tensor",
+)
+
+
+class ConfigMismatchError(ValueError):
+  """The run config differs from the one that wrote the checkpoint being resumed."""
+
+
+class _IteratorSnapshot:
+  """An iterator state frozen at save time (grain's handler calls ``get_state()``, which may
+  happen on orbax's background thread while the live iterator has moved on)."""
+
+  def __init__(self, state: Any):
+    self._raw = json.dumps(state, indent=1).encode()
+
+  def get_state(self) -> bytes:
+    return self._raw
+
+
+def _grain_handler():
+  from lca_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  return pipeline.checkpoint_handler()
+
+
+def _grain_save(state):
+  import grain  # pylint: disable=g-import-not-at-top
+  return grain.checkpoint.CheckpointSave(_IteratorSnapshot(state))
+
+
+def _grain_restore(data):
+  """``data``: a ``lca_jax.data`` Pipeline (its own restore args) or a grain iterator."""
+  if hasattr(data, "restore_args"):
+    return data.restore_args()
+  import grain  # pylint: disable=g-import-not-at-top
+  return grain.checkpoint.CheckpointRestore(data)
+
+
+# ---- run config ---------------------------------------------------------------------------
+def flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, dict):
+      out.update(flatten(v, key + "."))
+    else:
+      out[key] = v
+  return out
+
+
+def write_run_config(workdir: str, config: dict, model_cfg: ModelConfig) -> None:
+  if jax.process_index() != 0:
+    return
+  path = os.path.join(workdir, CONFIG_FILE)
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump({"model": model_cfg.to_dict(), "config": config}, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def read_run_config(workdir: str) -> Optional[dict]:
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def config_diff(saved: dict, current: dict, mutable=RESUME_MUTABLE) -> list:
+  """[(key, saved value, current value)] for fields that must match to resume."""
+  a, b = flatten(saved), flatten(current)
+  diffs = []
+  for k in sorted(set(a) | set(b)):
+    if k in mutable:
+      continue
+    va, vb = a.get(k, "<absent>"), b.get(k, "<absent>")
+    if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and not isinstance(va, bool):
+      if float(va) == float(vb):
+        continue
+    if va != vb:
+      diffs.append((k, va, vb))
+  return diffs
+
+
+def check_resume_config(workdir: str, config: dict) -> None:
+  saved = read_run_config(workdir)
+  if saved is None:
+    return
+  old = dict(saved.get("config", {}))
+  # Model fields added to ModelConfig after the checkpoint was written take their defaults.
+  defaults = ModelConfig().to_dict()
+  old["model"] = dict({k: v for k, v in defaults.items() if k in config.get("model", {})},
+                      **old.get("model", {}))
+  diffs = config_diff(old, config)
+  if diffs:
+    shown = "; ".join(f"{k}: checkpoint {va!r}, now {vb!r}" for k, va, vb in diffs[:12])
+    more = f" (+{len(diffs) - 12} more)" if len(diffs) > 12 else ""
+    raise ConfigMismatchError(
+        f"the config does not match the checkpoint in {workdir}: {shown}{more}. "
+        "Use the checkpoint's values, or a new --workdir (train.init_from=<workdir> starts "
+        "from its params).")
+
+
+# ---- the manager --------------------------------------------------------------------------
+def _handlers(with_data: bool):
+  h = {name: ocp.StandardCheckpointHandler() for name in ("params", "opt_state", "step", "rng")}
+  h["meta"] = ocp.JsonCheckpointHandler()
+  if with_data:
+    h["data"] = _grain_handler()
+  return h
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), CKPT_DIR)
+
+
+class Checkpointer:
+  """Saves and restores train states (+ data iterator state) of one work directory."""
+
+  def __init__(self, workdir: str, keep: int = 3, async_save: bool = True,
+               read_only: bool = False):
+    # read_only: open an existing directory for restoring (no directory is created; orbax's
+    # own read_only flag is not used because it logs warnings on every open).
+    opts = ocp.CheckpointManagerOptions(
+        max_to_keep=max(1, int(keep)) if keep else None, create=not read_only,
+        enable_async_checkpointing=async_save and not read_only)
+    self.directory = checkpoint_dir(workdir)
+    self.manager = ocp.CheckpointManager(self.directory, options=opts,
+                                         item_handlers=_handlers(with_data=True))
+
+  def latest_step(self) -> Optional[int]:
+    return self.manager.latest_step()
+
+  def all_steps(self):
+    return list(self.manager.all_steps())
+
+  def save(self, state, data_state: Any = None, meta: Optional[dict] = None) -> None:
+    step = int(jax.device_get(state.step))
+    items = dict(params=ocp.args.StandardSave(state.params),
+                 opt_state=ocp.args.StandardSave(state.opt_state),
+                 step=ocp.args.StandardSave({"step": state.step}),
+                 rng=ocp.args.StandardSave({"key": state.rng}),
+                 meta=ocp.args.JsonSave(dict(meta or {}, step=step)))
+    if data_state is not None:
+      items["data"] = _grain_save(data_state)
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def restore(self, step: int, abstract_state, data_iterator=None):
+    """The TrainState at ``step``, laid out as ``abstract_state``'s shardings; restores the data
+    pipeline (or grain iterator) in place when given."""
+    items = dict(params=ocp.args.StandardRestore(abstract_state.params),
+                 opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
+                 step=ocp.args.StandardRestore({"step": abstract_state.step}),
+                 rng=ocp.args.StandardRestore({"key": abstract_state.rng}))
+    if data_iterator is not None:
+      items["data"] = _grain_restore(data_iterator)
+    out = self.manager.restore(step, args=ocp.args.Composite(**items))
+    return abstract_state.replace(params=out["params"], opt_state=out["opt_state"],
+                                  step=out["step"]["step"], rng=out["rng"]["key"])
+
+  def wait(self):
+    self.manager.wait_until_finished()
+
+  def close(self):
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def restore_params(workdir: str, abstract_params, step: Optional[int] = None):
+  """Only the params of ``workdir``'s checkpoint ``step`` (default latest), laid out as the
+  shardings/dtypes of ``abstract_params`` (a tree of ShapeDtypeStructs)."""
+  directory = checkpoint_dir(workdir)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"{workdir}: no checkpoint yet")
+  opts = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
+  with ocp.CheckpointManager(directory, options=opts,
+                             item_handlers={"params": ocp.StandardCheckpointHandler()}) as mngr:
+    if step is None:
+      step = mngr.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"{workdir}: no checkpoint yet")
+    if step not in mngr.all_steps():
+      raise FileNotFoundError(f"{workdir}: no checkpoint for step {step} "
+                              f"(have {sorted(mngr.all_steps())})")
+    out = mngr.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract_params)))
+    return out["params"]
+
+
+# ---- inference ----------------------------------------------------------------------------
+def is_workdir(path: str) -> bool:
+  """True for an lca-train work directory (its run config or a checkpoints folder exists)."""
+  path = os.fspath(path)
+  return os.path.isfile(os.path.join(path, CONFIG_FILE)) or os.path.isdir(
+      os.path.join(path, CKPT_DIR))
+
+
+def model_config(workdir: str) -> ModelConfig:
+  saved = read_run_config(workdir)
+  if saved is None:
+    raise FileNotFoundError(f"{workdir}: no {CONFIG_FILE}; not an lca-train work directory")
+  return ModelConfig.from_dict(saved["model"])
+
+
+def load_for_inference(path: str, step: Optional[int] = None):
+  """(ModelConfig, float32 params on one device) from a work directory's checkpoint."""
+  from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top
+  from lca_jax.train.state import abstract_params  # pylint: disable=g-import-not-at-top
+  try:
+    cfg = model_config(path)
+  except FileNotFoundError as e:
+    raise LoadError(str(e)) from None
+  dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = abstract_params(cfg, jax.numpy.float32, dev)
+  try:
+    params = restore_params(path, abstract, step)
+  except FileNotFoundError as e:
+    raise LoadError(str(e)) from None
+  return cfg, params

@@ -1,0 +1,515 @@
+"""The training loop: ``train_and_evaluate(config, workdir)``.
+
+One optimizer step consumes ``train.global_batch_bytes`` bytes = ``rows`` sequences of
+``data.seq_len`` bytes, processed as ``accum`` micro-batches of ``train.micro_batch_size`` rows
+(split over the ('data', 'fsdp') mesh axes). Every ``train.checkpoint_every`` steps, at the end
+and on SIGTERM the state and the data iterator position are checkpointed; a work directory
+that holds a checkpoint is resumed from its latest one, exactly (same params and batches as an
+uninterrupted run). Metrics are fetched one step late so the host never waits on the step it
+just dispatched; a non-finite loss stops the run (``NonFiniteLossError``) and no checkpoint of
+that step or later is written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import threading
+import time
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lca_jax.model.config import ModelConfig
+from lca_jax.train import checkpoint as ckpt_lib
+from lca_jax.train import metrics as met
+from lca_jax.train import optim
+from lca_jax.train import sharding as shd
+from lca_jax.train import state as st
+from lca_jax.train import step as step_lib
+
+
+class TrainError(RuntimeError):
+  """A user-facing training problem (bad batch layout, unwritable workdir, ...)."""
+
+
+class NonFiniteLossError(TrainError):
+  """The loss (or gradient norm) became NaN/inf; the run stopped without checkpointing it."""
+
+
+# ---- configuration -------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+  seq_len: int
+  rows: int  # sequences per optimizer step (all processes)
+  micro: int  # rows per micro-batch (all processes)
+  accum: int  # micro-batches per step
+
+  @property
+  def host_rows(self) -> int:
+    return self.rows // jax.process_count()
+
+  @property
+  def host_micro(self) -> int:
+    return self.micro // jax.process_count()
+
+  @property
+  def bytes_per_step(self) -> int:
+    return self.rows * self.seq_len
+
+
+def plan_batches(config, mesh) -> BatchPlan:
+  t = int(config.data.seq_len)
+  gbb = int(config.train.global_batch_bytes)
+  micro = int(config.train.micro_batch_size)
+  if t <= 0 or micro <= 0 or gbb <= 0:
+    raise TrainError("data.seq_len, train.micro_batch_size and train.global_batch_bytes must be positive")
+  if gbb % (micro * t):
+    raise TrainError(
+        f"train.global_batch_bytes={gbb} is not a multiple of train.micro_batch_size * data.seq_len"
+        f" = {micro} * {t} = {micro * t}")
+  shards = shd.batch_shards(mesh)
+  if micro % shards:
+    raise TrainError(
+        f"train.micro_batch_size={micro} rows cannot be divided over the {shards} batch shards "
+        f"of the mesh (data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}); use a multiple of {shards}")
+  if micro % jax.process_count():
+    raise TrainError(f"train.micro_batch_size={micro} is not divisible by the "
+                     f"{jax.process_count()} processes")
+  rows = gbb // t
+  return BatchPlan(seq_len=t, rows=rows, micro=micro, accum=rows // micro)
+
+
+def lambdas(config):
+  return (float(config.train.lambda_ntp), float(config.train.lambda_mbp),
+          float(config.train.lambda_bp))
+
+
+def _cfg_get(section, key, default):
+  try:
+    return section[key] if key in section else default
+  except (KeyError, AttributeError):
+    return default
+
+
+def demo_corpus_files() -> list:
+  """The bundled demo corpus (lca_jax/data/corpus), split by ``lca_jax.data.DEMO_HOLDOUT_EVERY``."""
+  from lca_jax.data import demo  # pylint: disable=g-import-not-at-top
+  path = demo.demo_corpus_path()
+  if not os.path.isfile(path):
+    raise TrainError(f"the bundled demo corpus is missing: {path}")
+  return [path]
+
+
+def _fmt(name: str) -> Optional[str]:
+  name = (name or "").strip()
+  return {"": None, "arrayrecord": "array_record"}.get(name, name)
+
+
+def data_sources(config) -> dict:
+  """Where training and eval documents come from: explicit files, or the demo corpus split
+  into train / held-out documents."""
+  train_files = str(config.data.train_files or "").strip()
+  eval_files = str(config.data.eval_files or "").strip()
+  split = lambda s: [p.strip() for p in s.split(",") if p.strip()]
+  fmt = _fmt(config.data.format)
+  if not train_files:
+    demo = demo_corpus_files()
+    out = dict(train=dict(files=demo, format="text", holdout="train"))
+    out["eval"] = (dict(files=split(eval_files), format=fmt, holdout=None) if eval_files
+                   else dict(files=demo, format="text", holdout="eval"))
+    return out
+  train_src = split(train_files) if fmt != "tfds" else train_files
+  out = dict(train=dict(files=train_src, format=fmt, holdout=None), eval=None)
+  if eval_files:
+    out["eval"] = dict(files=split(eval_files) if fmt != "tfds" else eval_files, format=fmt,
+                       holdout=None)
+  return out
+
+
+def _pipeline_kwargs(config, src):
+  kw = dict(format=src["format"], seq_len=int(config.data.seq_len),
+            packing=str(config.data.packing), worker_count=int(config.data.worker_count))
+  if src["holdout"]:
+    from lca_jax.data import demo  # pylint: disable=g-import-not-at-top
+    kw.update(holdout=src["holdout"], holdout_every=demo.DEMO_HOLDOUT_EVERY)
+  if src["format"] == "tfds":
+    kw["tfds_split"] = str(config.data.tfds_split)
+  return kw
+
+
+def make_train_pipeline(config, plan: BatchPlan):
+  from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
+  src = data_sources(config)["train"]
+  return dp.make_pipeline(src["files"], batch_size=plan.host_rows, seed=int(config.train.seed),
+                          shuffle=True, **_pipeline_kwargs(config, src))
+
+
+def make_eval_pipeline(config, plan: BatchPlan):
+  from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
+  src = data_sources(config)["eval"]
+  if src is None:
+    return None
+  return dp.make_eval_pipeline(src["files"], batch_size=plan.host_micro,
+                               max_batches=int(config.train.eval_batches) or None,
+                               **_pipeline_kwargs(config, src))
+
+
+def check_data_files(config) -> None:
+  """Fail early (before compiling anything) when a data glob matches nothing."""
+  from lca_jax.data import sources  # pylint: disable=g-import-not-at-top
+  for name, src in data_sources(config).items():
+    if src is None or src["format"] == "tfds":
+      continue
+    try:
+      sources.expand_files(src["files"])
+    except sources.DataError as e:
+      raise sources.DataError(f"data.{name}_files: {e}") from None
+
+
+def prepare_workdir(workdir: str) -> str:
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, f".write_test_{os.getpid()}")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise TrainError(f"cannot write to workdir {workdir}: {e.strerror or e}") from None
+  return workdir
+
+
+# ---- the pieces of a run -------------------------------------------------------------------
+@dataclasses.dataclass
+class Setup:
+  config: Any
+  model_cfg: ModelConfig
+  mesh: Any
+  plan: BatchPlan
+  tx: Any
+  schedule: Any
+  abstract: Any  # abstract TrainState with shardings
+  shardings: Any  # TrainState of NamedShardings
+  train_step: Callable  # jitted, donates the state
+  eval_step: Callable  # jitted (params, batch[rows, T]) -> sums
+  init_fn: Callable  # jitted () -> fresh sharded TrainState
+
+  def init_state(self):
+    with shd.mesh_context(self.mesh):
+      return self.init_fn()
+
+  def device_batch(self, host_batch: dict) -> dict:
+    """Host rows [host_rows, T] -> global [accum, micro, T] on the mesh."""
+    p = self.plan
+    shaped = {k: np.asarray(v).reshape(p.accum, p.host_micro, p.seq_len)
+              for k, v in host_batch.items()}
+    return shd.put_batch(shaped, shd.batch_sharding(self.mesh, True), 1)
+
+  def device_eval_batch(self, host_batch: dict) -> dict:
+    return shd.put_batch({k: np.asarray(v) for k, v in host_batch.items()},
+                         shd.batch_sharding(self.mesh, False), 0)
+
+
+def model_config_of(config) -> ModelConfig:
+  return ModelConfig.from_dict(config.model.to_dict())
+
+
+_SETUP_CACHE: dict = {}
+
+
+def prepare(config, devices: Optional[Sequence[Any]] = None) -> Setup:
+  """Mesh, batch plan, optimizer, shardings and the jitted steps for ``config``.
+
+  Memoised per process on everything the compiled functions depend on, so a second run with
+  the same model / optimizer / mesh / batch layout (a resume, a test) does not recompile.
+  """
+  model_cfg = model_config_of(config)
+  mesh = shd.make_mesh(config.mesh, devices)
+  plan = plan_batches(config, mesh)
+  horizon = optim.decay_horizon(config.optim, int(config.train.steps))
+  key = (model_cfg, tuple(sorted(config.optim.to_dict().items())), horizon, lambdas(config),
+         int(config.train.seed), tuple(d.id for d in mesh.devices.flat),
+         tuple(mesh.shape.items()), plan, jax.process_count())
+  if key in _SETUP_CACHE:
+    return dataclasses.replace(_SETUP_CACHE[key], config=config)
+  tx, schedule = optim.make_optimizer(config.optim, int(config.train.steps))
+  seed = int(config.train.seed)
+  abstract, shardings = st.state_shardings(model_cfg, tx, mesh, seed)
+  step_fn = step_lib.make_train_step(model_cfg, tx, schedule, lambdas(config),
+                                     grad_shardings=shardings.params)
+  rep = shd.replicated(mesh)
+  train_step = jax.jit(step_fn, in_shardings=(shardings, shd.batch_sharding(mesh, True)),
+                       out_shardings=(shardings, rep), donate_argnums=(0,))
+  eval_step = jax.jit(step_lib.make_eval_step(model_cfg, lambdas(config)),
+                      in_shardings=(shardings.params, shd.batch_sharding(mesh, False)),
+                      out_shardings=rep)
+  init_fn = st.make_init_fn(model_cfg, tx, seed, shardings)
+  setup = Setup(config, model_cfg, mesh, plan, tx, schedule, abstract, shardings, train_step,
+                eval_step, init_fn)
+  if len(_SETUP_CACHE) > 8:
+    _SETUP_CACHE.pop(next(iter(_SETUP_CACHE)))
+  _SETUP_CACHE[key] = setup
+  return setup
+
+
+def _shape_mismatches(want, got) -> list:
+  w = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(want)}
+  g = {jax.tree_util.keystr(k): tuple(np.shape(v)) for k, v in jax.tree_util.tree_leaves_with_path(got)}
+  out = [f"{k}: missing" for k in sorted(set(w) - set(g))]
+  out += [f"{k}: unexpected" for k in sorted(set(g) - set(w))]
+  out += [f"{k}: {g[k]} vs {w[k]}" for k in sorted(set(w) & set(g)) if tuple(w[k]) != tuple(g[k])]
+  return out
+
+
+def load_init_params(setup: Setup, source: str):
+  """Params for ``train.init_from``: an lca-train workdir (restored straight onto the mesh) or
+  anything ``lca_jax.load`` reads (e.g. the upstream PyTorch layout)."""
+  want = setup.abstract.params
+  if ckpt_lib.is_workdir(source):
+    src_cfg = ckpt_lib.model_config(source)
+    src_abs = st.abstract_params(src_cfg)
+    bad = _shape_mismatches(want, src_abs)
+    if bad:
+      raise TrainError(f"train.init_from={source}: its model does not match this config's "
+                       f"({'; '.join(bad[:6])})")
+    try:
+      return ckpt_lib.restore_params(source, want)
+    except FileNotFoundError as e:
+      raise TrainError(f"train.init_from: {e}") from None
+  import lca_jax  # pylint: disable=g-import-not-at-top
+  try:
+    model = lca_jax.load(source)
+  except lca_jax.LoadError as e:
+    raise TrainError(f"train.init_from: {e}") from None
+  bad = _shape_mismatches(want, model.params)
+  if bad:
+    raise TrainError(f"train.init_from={source}: its model does not match this config's "
+                     f"({'; '.join(bad[:6])})")
+  return jax.tree_util.tree_map(lambda a, s: jnp.asarray(a, s.dtype), model.params, want)
+
+
+# ---- stopping ------------------------------------------------------------------------------
+class _Stop:
+  """SIGTERM -> flag; the loop checkpoints and returns at the end of the current step."""
+
+  def __init__(self):
+    self.flag = False
+    self.reason = ""
+    self._prev = None
+
+  def install(self):
+    if threading.current_thread() is threading.main_thread():
+      self._prev = signal.signal(signal.SIGTERM, self._handler)
+
+  def uninstall(self):
+    if self._prev is not None:
+      signal.signal(signal.SIGTERM, self._prev)
+      self._prev = None
+
+  def _handler(self, signum, frame):
+    del frame
+    self.set(f"signal {signal.Signals(signum).name}")
+
+  def set(self, reason: str = "stop requested"):
+    self.flag = True
+    self.reason = self.reason or reason
+
+  def agreed(self) -> bool:
+    if jax.process_count() == 1:
+      return self.flag
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return bool(np.any(multihost_utils.process_allgather(np.array([self.flag]))))
+
+
+_ACTIVE: list = []
+
+
+def request_stop(reason: str = "stop requested") -> None:
+  """Ask the running ``train_and_evaluate`` to checkpoint and return (as SIGTERM does)."""
+  for s in _ACTIVE:
+    s.set(reason)
+
+
+@dataclasses.dataclass
+class TrainResult:
+  step: int
+  stopped: bool  # True when a signal / request_stop ended the run before train.steps
+  state: Any
+  last_train: dict
+  last_eval: dict
+  workdir: str
+
+
+# ---- evaluation ----------------------------------------------------------------------------
+def evaluate(setup: Setup, params, config=None) -> Optional[dict]:
+  """Held-out bits-per-byte of both heads (None when there is no eval data)."""
+  config = config or setup.config
+  pipe = make_eval_pipeline(config, setup.plan)
+  if pipe is None:
+    return None
+  total = None
+  try:
+    for host in pipe:
+      sums = setup.eval_step(params, setup.device_eval_batch(host))
+      total = sums if total is None else jax.tree_util.tree_map(jnp.add, total, sums)
+  finally:
+    pipe.close()
+  if total is None:
+    return None
+  return step_lib.finish_eval(jax.device_get(total))
+
+
+# ---- the loop ------------------------------------------------------------------------------
+def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]] = None,
+                       on_step: Optional[Callable[[int, dict], Any]] = None) -> TrainResult:
+  """Train ``config`` (an ml_collections ConfigDict) in ``workdir``; resume if it has a
+  checkpoint. ``devices``: the devices of the mesh (default all). ``on_step(step, batch)`` is
+  called with each host batch before it is trained on (step counts from 0)."""
+  cfg_dict = config.to_dict()
+  model_cfg = model_config_of(config)
+  workdir = prepare_workdir(workdir)
+  check_data_files(config)
+  setup = prepare(config, devices)
+  plan, mesh = setup.plan, setup.mesh
+  total = int(config.train.steps)
+  log_every = max(1, int(config.train.log_every))
+  eval_every = int(config.train.eval_every)
+  ckpt_every = int(config.train.checkpoint_every)
+
+  ckpt = ckpt_lib.Checkpointer(workdir, keep=int(config.train.keep_checkpoints),
+                               async_save=bool(_cfg_get(config.train, "async_checkpointing", True)))
+  writer = None
+  progress = None
+  stop = _Stop()
+  pipeline = None
+  try:
+    latest = ckpt.latest_step()
+    if latest is not None:
+      ckpt_lib.check_resume_config(workdir, cfg_dict)
+    ckpt_lib.write_run_config(workdir, cfg_dict, model_cfg)
+    pipeline = make_train_pipeline(config, plan)
+
+    with shd.mesh_context(mesh):
+      if latest is not None:
+        state = ckpt.restore(latest, setup.abstract, pipeline)
+        origin = f"resumed from step {latest}"
+      elif str(config.train.init_from or ""):
+        params = load_init_params(setup, str(config.train.init_from))
+        state = st.state_from_params(params, setup.tx, int(config.train.seed), setup.shardings)
+        origin = f"params from {config.train.init_from}"
+      else:
+        state = setup.init_state()
+        origin = "fresh start"
+    start = int(jax.device_get(state.step))
+
+    n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(setup.abstract.params))
+    flops_fn = lambda bpl: met.train_flops_per_step(model_cfg, setup.abstract.params, plan.rows,
+                                                     plan.seq_len, bpl)
+    peak = met.peak_flops_per_device(override_tflops=float(_cfg_get(config.train, "peak_tflops", 0.0)))
+    n_dev = mesh.devices.size
+    writer = met.MetricsWriter(workdir, bool(_cfg_get(config.train, "tensorboard", True)))
+    progress = met.Progress(total, start, bool(config.train.progress_bar))
+    progress.write(
+        f"lca-train: {model_cfg.kind} model, {n_params / 1e6:.2f}M params, mesh "
+        f"{dict(mesh.shape)}, {plan.rows} rows x {plan.seq_len} bytes per step "
+        f"({plan.accum} x {plan.micro}-row micro-batches), steps {start}->{total} ({origin})")
+
+    stop.install()
+    _ACTIVE.append(stop)
+    last_train, last_eval = {}, {}
+    window: list = []
+    t_mark, n_mark = time.perf_counter(), start
+    pending = None
+    last_saved = latest
+
+    def process(item):
+      nonlocal t_mark, n_mark, window, last_train
+      n, m_dev = item
+      m = {k: float(v) for k, v in jax.device_get(m_dev).items()}
+      if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+        raise NonFiniteLossError(
+            f"non-finite loss at step {n} (loss={m['loss']}, grad_norm={m['grad_norm']}); "
+            f"stopped without checkpointing it (last checkpoint: "
+            f"{'step ' + str(last_saved) if last_saved is not None else 'none'}). "
+            "Try a lower optim.lr, more optim.warmup_steps or float32 compute.")
+      window.append(m)
+      progress.update(1)
+      if n == 1 or n % log_every == 0 or n == total:
+        now = time.perf_counter()
+        step_time = (now - t_mark) / max(n - n_mark, 1)
+        avg = {k: float(np.mean([w[k] for w in window if k in w]))
+               for k in window[-1] if k != "lr"}
+        avg["lr"] = m["lr"]
+        avg["step_time"] = step_time
+        avg["bytes_per_s"] = plan.bytes_per_step / step_time
+        bpl = avg.get("bytes_per_latent")
+        avg["tflops_per_device"] = flops_fn(bpl) / step_time / n_dev / 1e12
+        avg["mfu"] = (flops_fn(bpl) / step_time / (n_dev * peak)) if peak else None
+        writer.write_train(n, avg)
+        last_train = dict(avg, step=n)
+        post = {"loss": avg["loss"], "bpb": avg.get("bpb_ntp")}
+        if avg.get("bpb_mbp") is not None:
+          post["bpb2"] = avg["bpb_mbp"]
+        post["kB/s"] = avg["bytes_per_s"] / 1e3
+        progress.update(0, **post)
+        window = []
+        t_mark, n_mark = now, n
+
+    def reset_clock(n):
+      nonlocal t_mark, n_mark
+      t_mark, n_mark = time.perf_counter(), n
+
+    with shd.mesh_context(mesh):
+      for step in range(start, total):
+        host = next(pipeline)
+        if on_step is not None:
+          on_step(step, host)
+        state, m = setup.train_step(state, setup.device_batch(host))
+        if pending is not None:
+          process(pending)
+        n = step + 1
+        pending = (n, m)
+        stopping = stop.agreed()
+        do_eval = eval_every > 0 and (n % eval_every == 0 or n == total)
+        do_ckpt = (ckpt_every > 0 and n % ckpt_every == 0) or n == total or stopping
+        if do_eval or do_ckpt:
+          process(pending)
+          pending = None
+        if do_eval and not stopping:
+          res = evaluate(setup, state.params, config)
+          if res is not None:
+            writer.write_eval(n, res)
+            last_eval = dict(res, step=n)
+            progress.write(f"eval @ {n}: bpb_ntp {res['bpb_ntp']:.4f}" +
+                           (f", bpb_mbp {res['bpb_mbp']:.4f}" if "bpb_mbp" in res else ""))
+          reset_clock(n)
+        if do_ckpt and last_saved != n:
+          ckpt.save(state, pipeline.get_state(),
+                    meta={"model": model_cfg.to_dict(), "bytes_seen": n * plan.bytes_per_step})
+          last_saved = n
+          reset_clock(n)
+        if stopping:
+          progress.write(f"lca-train: stopping at step {n} ({stop.reason}); checkpoint saved, "
+                         "run the same command to resume")
+          break
+      if pending is not None:
+        process(pending)
+    final = int(jax.device_get(state.step))
+    return TrainResult(step=final, stopped=stop.flag and final < total, state=state,
+                       last_train=last_train, last_eval=last_eval, workdir=workdir)
+  finally:
+    stop.uninstall()
+    if stop in _ACTIVE:
+      _ACTIVE.remove(stop)
+    if progress is not None:
+      progress.close()
+    ckpt.close()
+    if writer is not None:
+      writer.close()
+    if pipeline is not None:
+      pipeline.close()

@@ -1,0 +1,141 @@
+"""Device mesh, logical axis rules and shardings (DESIGN §4).
+
+Mesh axes ('data', 'fsdp', 'tensor'); ``config.mesh`` gives their sizes, one of them may be -1
+(= all devices not used by the others). Parameters carry logical axis names (model/layers.py);
+``LOGICAL_RULES`` maps them to mesh axes:
+
+    batch -> ('data', 'fsdp')     activations and input batches
+    embed -> 'fsdp'               parameters (ZeRO-3 style); on activations 'fsdp' is already
+                                  taken by 'batch', so flax leaves 'embed' unsharded there
+    heads, kv, mlp, vocab -> 'tensor'
+    length, norm -> None
+
+Axes are Auto (jax.make_mesh defaults to Explicit in current jax, which linen's logical
+partitioning does not support). Tracing must happen inside ``mesh_context(mesh)`` so the
+model's ``with_logical_constraint`` calls see the mesh and the rules.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Optional, Sequence
+
+import flax.linen as nn
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+LOGICAL_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("length", None),
+    ("norm", None),
+)
+
+
+class MeshError(ValueError):
+  """A mesh or batch layout that the devices cannot realise."""
+
+
+def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
+  """Resolve ``{'data': -1, 'fsdp': 2, 'tensor': 1}`` (-1 = the rest) against ``n_devices``."""
+  sizes = [int(mesh_cfg[a]) for a in AXES]
+  free = [i for i, s in enumerate(sizes) if s == -1]
+  if len(free) > 1:
+    raise MeshError(f"mesh: at most one axis may be -1, got {dict(zip(AXES, sizes))}")
+  if any(s == 0 or s < -1 for s in sizes):
+    raise MeshError(f"mesh: axis sizes must be positive or -1, got {dict(zip(AXES, sizes))}")
+  fixed = math.prod(s for s in sizes if s != -1)
+  if free:
+    if n_devices % fixed:
+      raise MeshError(f"mesh: {n_devices} devices cannot be split with "
+                      f"{dict(zip(AXES, sizes))} (fixed axes use {fixed})")
+    sizes[free[0]] = n_devices // fixed
+  if math.prod(sizes) != n_devices:
+    raise MeshError(f"mesh: {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, "
+                    f"have {n_devices}")
+  return tuple(sizes)
+
+
+def make_mesh(mesh_cfg, devices: Optional[Sequence[Any]] = None) -> jax.sharding.Mesh:
+  devices = list(devices) if devices is not None else jax.devices()
+  shape = mesh_shape(mesh_cfg, len(devices))
+  return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
+                       devices=devices)
+
+
+def batch_shards(mesh) -> int:
+  """Number of ways the batch dimension is split."""
+  return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+@contextlib.contextmanager
+def mesh_context(mesh):
+  """Mesh + logical rules in scope (for tracing jitted functions that use the model)."""
+  if hasattr(jax, "set_mesh"):
+    mesh_cm = jax.set_mesh(mesh)
+  elif hasattr(jax.sharding, "use_mesh"):
+    mesh_cm = jax.sharding.use_mesh(mesh)
+  else:  # pragma: no cover - very old jax
+    raise RuntimeError("this jax has neither jax.set_mesh nor jax.sharding.use_mesh")
+  with mesh_cm, nn.logical_axis_rules(LOGICAL_RULES):
+    yield
+
+
+def _fit(spec: P, shape, mesh) -> P:
+  """Drop mesh axes from dimensions they do not divide (those stay replicated)."""
+  out = []
+  for i, ax in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
+    if ax is None:
+      out.append(None)
+      continue
+    names = ax if isinstance(ax, tuple) else (ax,)
+    keep = []
+    size = shape[i]
+    for n in names:
+      if size % mesh.shape[n] == 0:
+        keep.append(n)
+        size //= mesh.shape[n]
+    out.append(None if not keep else (keep[0] if len(keep) == 1 else tuple(keep)))
+  return P(*out)
+
+
+def shardings_from_logical(logical_specs, abstract_tree, mesh):
+  """NamedShardings for a tree of logical PartitionSpecs (``nn.get_partition_spec`` output)
+  whose leaves line up with ``abstract_tree`` (arrays / ShapeDtypeStructs)."""
+  mesh_specs = nn.logical_to_mesh(logical_specs, LOGICAL_RULES)
+  is_spec = lambda x: isinstance(x, P) or x is None
+  flat_specs, treedef = jax.tree_util.tree_flatten(mesh_specs, is_leaf=is_spec)
+  flat_abs = treedef.flatten_up_to(abstract_tree)
+  out = [NamedSharding(mesh, _fit(s if s is not None else P(), a.shape, mesh))
+         for s, a in zip(flat_specs, flat_abs)]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def replicated(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh, accum_axis: bool = True) -> NamedSharding:
+  """[accum, rows, T] (or [rows, T]) with rows split over ('data', 'fsdp')."""
+  return NamedSharding(mesh, P(None, BATCH_AXES) if accum_axis else P(BATCH_AXES))
+
+
+def put_batch(host_batch: dict, sharding: NamedSharding, global_rows_axis: int) -> dict:
+  """Assemble a global batch from this process's rows (multi-host safe).
+
+  ``host_batch`` arrays hold this process's share of axis ``global_rows_axis``.
+  """
+  n = jax.process_count()
+  out = {}
+  for k, v in host_batch.items():
+    shape = list(v.shape)
+    shape[global_rows_axis] *= n
+    out[k] = jax.make_array_from_process_local_data(sharding, v, tuple(shape))
+  return out

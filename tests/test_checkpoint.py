@@ -1,0 +1,124 @@
+"""Checkpoints: restore onto another mesh, lca_jax.load(workdir), init_from, config checks."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import lca_jax  # noqa: E402
+from lca_jax import configs_io  # noqa: E402
+from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
+from lca_jax.train import loop  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+# Same as tests/test_train.py, so that both files share one compiled train step.
+TINY = ["model.d_model=32", "model.d_inner=64", "model.n_heads=2", "model.n_kv_heads=2",
+        "model.n_lm=1", "model.n_mbp=1", "data.seq_len=32", "train.micro_batch_size=8",
+        "train.global_batch_bytes=512", "train.log_every=1", "train.eval_every=0",
+        "train.checkpoint_every=1000", "train.progress_bar=False", "train.tensorboard=False",
+        "optim.warmup_steps=2", "optim.lr=3e-3", "optim.decay_steps=40"]
+
+
+def tiny_config(*overrides):
+  c = configs_io.load_config(os.path.join(ROOT, "configs", "tiny_lca_mbp.py"))
+  return configs_io.apply_overrides(c, TINY + list(overrides))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, fast_compile):
+  """2 steps on 8 devices (mesh data=8), checkpointed at step 2."""
+  del fast_compile
+  wd = str(tmp_path_factory.mktemp("saved"))
+  res = loop.train_and_evaluate(tiny_config("train.steps=2", "mesh.data=8"), wd)
+  return dict(workdir=wd, params=jax.device_get(res.state.params),
+              opt_state=jax.device_get(res.state.opt_state))
+
+
+def test_restore_onto_smaller_mesh(saved):
+  devs = jax.devices()[:4]
+  setup = loop.prepare(tiny_config("train.steps=3", "mesh.data=2", "mesh.fsdp=2"), devs)
+  ck = ckpt_lib.Checkpointer(saved["workdir"], read_only=True)
+  try:
+    state = ck.restore(2, setup.abstract)
+  finally:
+    ck.close()
+  assert int(state.step) == 2
+  leaf = state.params["encoder"]["layer_0"]["mlp"]["up_proj"]["kernel"]
+  assert set(leaf.sharding.device_set) == set(devs)
+  assert tuple(leaf.sharding.spec)[0] == "fsdp"
+  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(state.params)),
+                  jax.tree_util.tree_leaves(saved["params"])):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(state.opt_state)),
+                  jax.tree_util.tree_leaves(saved["opt_state"])):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_resume_on_other_mesh_continues(saved, tmp_path):
+  """train_and_evaluate accepts the changed mesh and resumes onto 4 devices (no steps left,
+  so nothing is compiled)."""
+  import shutil
+  wd = str(tmp_path / "copy")
+  shutil.copytree(saved["workdir"], wd)
+  devs = jax.devices()[:4]
+  res = loop.train_and_evaluate(tiny_config("train.steps=2", "mesh.data=2", "mesh.fsdp=2"), wd,
+                                devices=devs)
+  assert res.step == 2 and not res.stopped
+  leaf = res.state.params["decoder"]["layer_0"]["attn"]["q_proj"]["kernel"]
+  assert set(leaf.sharding.device_set) == set(devs)
+  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(res.state.params)),
+                  jax.tree_util.tree_leaves(saved["params"])):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_load_workdir_for_inference(saved):
+  assert ckpt_lib.is_workdir(saved["workdir"])
+  model = lca_jax.load(saved["workdir"])
+  assert model.cfg.d_model == 32
+  for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(saved["params"])):
+    assert a.dtype == np.float32 and len(a.sharding.device_set) == 1
+    np.testing.assert_array_equal(np.asarray(a), b)
+  out = model.forward(np.arange(3, 40, dtype=np.int32))
+  assert out["ntp_logits"].shape == (37, 261) and out["boundaries"].shape == (37,)
+  with pytest.raises(lca_jax.LoadError, match="no checkpoint for step 7"):
+    lca_jax.load(saved["workdir"], step=7)
+
+
+def test_init_from_workdir(saved, tmp_path):
+  res = loop.train_and_evaluate(
+      tiny_config("train.steps=0", f"train.init_from={saved['workdir']}"), str(tmp_path))
+  assert res.step == 0
+  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(res.state.params)),
+                  jax.tree_util.tree_leaves(saved["params"])):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(loop.TrainError, match="does not match"):
+    loop.train_and_evaluate(tiny_config("train.steps=0", "model.d_inner=96",
+                                        f"train.init_from={saved['workdir']}"),
+                            str(tmp_path / "other"))
+
+
+def test_config_diff_rules():
+  a = {"model": {"d_model": 32}, "train": {"steps": 10, "seed": 0}, "mesh": {"data": 8}}
+  b = {"model": {"d_model": 64}, "train": {"steps": 20, "seed": 1}, "mesh": {"data": 2}}
+  assert [k for k, _, _ in ckpt_lib.config_diff(a, b)] == ["model.d_model", "train.seed"]
+
+
+def test_init_from_upstream_layout(tmp_path):
+  import ml_collections
+  src = os.path.join(ROOT, "tests", "data", "reference", "lca_small")
+  ref = lca_jax.load(src)
+  cfg = tiny_config("train.steps=0", f"train.init_from={src}")
+  cfg.model = ml_collections.ConfigDict(ref.cfg.to_dict())
+  res = loop.train_and_evaluate(cfg, str(tmp_path))
+  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(res.state.params)),
+                  jax.tree_util.tree_leaves(ref.params)):
+    np.testing.assert_array_equal(a, np.asarray(b))

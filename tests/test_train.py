@@ -1,0 +1,198 @@
+"""Training system: loss goes down, exact resume, SIGTERM, sharded step == 1 device, NaN stop,
+CLI errors. Tiny model (d 32, T 32) on the bundled demo corpus, 8 fake CPU devices."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import json  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from lca_jax import configs_io  # noqa: E402
+from lca_jax.cli import train as cli  # noqa: E402
+from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
+from lca_jax.train import loop  # noqa: E402
+from lca_jax.train import sharding as shd  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+TINY = ["model.d_model=32", "model.d_inner=64", "model.n_heads=2", "model.n_kv_heads=2",
+        "model.n_lm=1", "model.n_mbp=1", "data.seq_len=32", "train.micro_batch_size=8",
+        "train.global_batch_bytes=512", "train.log_every=1", "train.eval_every=0",
+        "train.checkpoint_every=1000", "train.progress_bar=False", "train.tensorboard=False",
+        "optim.warmup_steps=2", "optim.lr=3e-3", "optim.decay_steps=40"]
+# decay_steps is fixed so that runs of different lengths share one schedule (and one compile).
+N = 3  # exact-resume tests: 2N steps straight vs N + N
+
+
+def tiny_config(*overrides):
+  c = configs_io.load_config(os.path.join(ROOT, "configs", "tiny_lca_mbp.py"))
+  return configs_io.apply_overrides(c, TINY + list(overrides))
+
+
+def host_params(state):
+  return jax.tree_util.tree_map(np.asarray, jax.device_get(state.params))
+
+
+def assert_trees_equal(a, b):
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(x, y)
+
+
+class Recorder:
+  """on_step hook recording (step, ids) of every batch trained on."""
+
+  def __init__(self, fire_at=None, action=None):
+    self.batches, self.fire_at, self.action = [], fire_at, action
+
+  def __call__(self, step, batch):
+    self.batches.append((step, batch["ids"].copy()))
+    if step == self.fire_at:
+      self.action(batch)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, fast_compile):
+  """2N steps in one run (the reference for the resume tests)."""
+  del fast_compile
+  wd = str(tmp_path_factory.mktemp("straight"))
+  rec = Recorder()
+  res = loop.train_and_evaluate(tiny_config(f"train.steps={2 * N}"),
+                                wd, on_step=rec)
+  return dict(workdir=wd, params=host_params(res.state), batches=rec.batches, result=res)
+
+
+def test_loss_decreases(tmp_path):
+  res = loop.train_and_evaluate(tiny_config("train.steps=40"),
+                                str(tmp_path))
+  assert res.step == 40 and not res.stopped
+  lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert [l["step"] for l in lines] == list(range(1, 41))
+  for key in ("loss", "bpb_ntp", "bpb_mbp", "bp_loss", "bytes_per_latent", "overflow", "lr",
+              "grad_norm", "bytes_per_s", "step_time"):
+    assert key in lines[0]
+  first = np.mean([l["loss"] for l in lines[:5]])
+  last = np.mean([l["loss"] for l in lines[-5:]])
+  assert last < first - 0.5, (first, last)
+  assert lines[-1]["bpb_ntp"] < lines[0]["bpb_ntp"]
+  assert ckpt_lib.Checkpointer(str(tmp_path), read_only=True).all_steps() == [40]
+
+
+def test_exact_resume(tmp_path, straight):
+  wd = str(tmp_path)
+  rec = Recorder()
+  first = loop.train_and_evaluate(tiny_config(f"train.steps={N}"),
+                                  wd, on_step=rec)
+  assert first.step == N
+  second = loop.train_and_evaluate(tiny_config(f"train.steps={2 * N}"), wd, on_step=rec)
+  assert second.step == 2 * N
+  assert [s for s, _ in rec.batches] == list(range(2 * N))
+  for (_, a), (_, b) in zip(rec.batches, straight["batches"]):
+    np.testing.assert_array_equal(a, b)
+  assert_trees_equal(host_params(second.state), straight["params"])
+
+
+def test_sigterm_checkpoints_and_resumes(tmp_path, straight):
+  wd = str(tmp_path)
+  cfg = tiny_config(f"train.steps={2 * N}")
+  rec = Recorder(fire_at=N - 1, action=lambda _: os.kill(os.getpid(), signal.SIGTERM))
+  res = loop.train_and_evaluate(cfg, wd, on_step=rec)
+  assert res.stopped and res.step == N
+  assert ckpt_lib.Checkpointer(wd, read_only=True).all_steps() == [N]
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler removed again
+  res2 = loop.train_and_evaluate(cfg, wd, on_step=rec)
+  assert res2.step == 2 * N and not res2.stopped
+  for (_, a), (_, b) in zip(rec.batches, straight["batches"]):
+    np.testing.assert_array_equal(a, b)
+  assert_trees_equal(host_params(res2.state), straight["params"])
+
+
+def test_sharded_step_matches_single_device():
+  batches = [{k: np.asarray(v) for k, v in b.items()} for b in _batches(2)]
+  results = []
+  for mesh, devs in ((("mesh.data=1",), jax.devices()[:1]),
+                     (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), jax.devices())):
+    setup = loop.prepare(tiny_config("train.steps=10", *mesh), devs)
+    state = setup.init_state()
+    losses = []
+    with shd.mesh_context(setup.mesh):
+      for b in batches:
+        state, m = setup.train_step(state, setup.device_batch(b))
+        losses.append(float(m["loss"]))
+    if len(devs) == 8:  # really sharded: embed over fsdp, heads over tensor
+      spec = state.params["lm"]["layer_0"]["attn"]["q_proj"]["kernel"].sharding.spec
+      assert tuple(spec) == ("fsdp", "tensor")
+    results.append((losses, host_params(state)))
+  np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-5)
+  for x, y in zip(jax.tree_util.tree_leaves(results[0][1]), jax.tree_util.tree_leaves(results[1][1])):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def _batches(n):
+  cfg = tiny_config()
+  setup_plan = loop.plan_batches(cfg, shd.make_mesh(cfg.mesh, jax.devices()[:1]))
+  pipe = loop.make_train_pipeline(cfg, setup_plan)
+  try:
+    return [next(pipe) for _ in range(n)]
+  finally:
+    pipe.close()
+
+
+def test_nonfinite_loss_stops_without_checkpoint(tmp_path):
+  def poison(batch):
+    batch["ids"][:] = 10 ** 6  # out-of-range ids: NaN embeddings
+  cfg = tiny_config("train.steps=6", "train.checkpoint_every=2")
+  with pytest.raises(loop.NonFiniteLossError, match="non-finite loss at step 4"):
+    loop.train_and_evaluate(cfg, str(tmp_path), on_step=Recorder(fire_at=3, action=poison))
+  assert ckpt_lib.Checkpointer(str(tmp_path), read_only=True).all_steps() == [2]
+
+
+# ---- CLI errors: one line, no traceback ---------------------------------------------------
+def run_cli(capsys, workdir, *overrides):
+  code = cli.main(["--config", os.path.join(ROOT, "configs", "tiny_lca_mbp.py"), "--workdir",
+                   str(workdir)] + [f"--config.{o}" for o in TINY + list(overrides)])
+  err = capsys.readouterr().err.strip()
+  return code, err
+
+
+def test_cli_unknown_config_key(tmp_path, capsys):
+  code, err = run_cli(capsys, tmp_path, "train.no_such_key=3")
+  assert code == 2 and "unknown config key: train.no_such_key" in err
+  assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (("data.train_files=/nonexistent/dir/*.parquet", "data.format=parquet"), "no files match"),
+    (("train.global_batch_bytes=1000",), "not a multiple of train.micro_batch_size * data.seq_len"),
+    (("train.micro_batch_size=4", "train.global_batch_bytes=256"), "cannot be divided over the 8"),
+    (("mesh.data=3",), "mesh"),
+])
+def test_cli_clear_errors(tmp_path, capsys, overrides, needle):
+  code, err = run_cli(capsys, tmp_path, *overrides)
+  assert code == 2 and needle in err, err
+  assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_cli_unwritable_workdir(tmp_path, capsys):
+  blocker = tmp_path / "file"
+  blocker.write_text("x")
+  code, err = run_cli(capsys, blocker / "sub")
+  assert code == 2 and "cannot write to workdir" in err and len(err.splitlines()) == 1
+
+
+def test_cli_config_mismatch_names_fields(straight, capsys):
+  code, err = run_cli(capsys, straight["workdir"], f"train.steps={2 * N}", "model.d_inner=128",
+                      "optim.lr=1e-3")
+  assert code == 2 and "does not match the checkpoint" in err
+  assert "model.d_inner: checkpoint 64, now 128" in err and "optim.lr" in err
+  assert len(err.splitlines()) == 1
