@@ -1,0 +1,185 @@
+"""lca-eval: bits per byte, generative tasks and quality/throughput sweeps.
+
+    lca-eval bpb   --checkpoint DIR --data FILES... [--format jsonl] [--seq-len 4096] [--json]
+    lca-eval tasks --checkpoint DIR --task summarization|translation|qa|ifeval --data FILE
+                   [--mode ntp|threshold|verify|drafter] [--drafter DIR] [--tau 0.9 --n 3]
+                   [--max-bytes N --limit N --batch-size 1] [--json] [--out FILE]
+    lca-eval sweep --checkpoints DIR [DIR ...] --task T --data FILE --out DIR
+                   [--taus 0.7,0.8,0.9] [--ns 3,4,5,6,7,8] [--modes ntp,threshold,verify,drafter]
+
+Problems with paths, data or arguments are reported in one line (exit status 2).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _fail(msg: str, code: int = 2) -> int:
+  print(f"lca-eval: error: {msg}", file=sys.stderr, flush=True)
+  return code
+
+
+def _floats(s: str):
+  try:
+    return [float(x) for x in s.split(",") if x.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+
+
+def _ints(s: str):
+  try:
+    return [int(x) for x in s.split(",") if x.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _names(s: str):
+  return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _parser():
+  from lca_jax.eval.tasks import TASKS  # pylint: disable=g-import-not-at-top
+  p = argparse.ArgumentParser(prog="lca-eval", description=__doc__.split("\n\n")[0])
+  sub = p.add_subparsers(dest="command", required=True)
+
+  b = sub.add_parser("bpb", help="bits per byte of every head, bytes per latent, boundary statistics")
+  b.add_argument("--checkpoint", required=True, help="upstream dir or lca-train workdir")
+  b.add_argument("--step", type=int, default=None, help="checkpoint step of a workdir (default: latest)")
+  b.add_argument("--data", required=True, nargs="+", help="held-out files (globs)")
+  b.add_argument("--format", default=None, help="parquet|jsonl|text|array_record|tfds (default: from extension)")
+  b.add_argument("--text-key", default="text", help="text field of jsonl/parquet records")
+  b.add_argument("--sft-format", default=None, help="score SFT data (loss-masked targets only): chat|translation|summarization")
+  b.add_argument("--seq-len", type=int, default=None, help="bytes per row (default: the model's max_seq_len)")
+  b.add_argument("--batch-size", type=int, default=8)
+  b.add_argument("--packing", default="segmented", choices=("segmented", "concat"))
+  b.add_argument("--max-batches", type=int, default=None)
+  b.add_argument("--json", action="store_true", help="print one JSON object")
+  b.add_argument("--no-progress", action="store_true")
+
+  t = sub.add_parser("tasks", help="generate on a task, report quality, acceptance rate and bytes/s")
+  t.add_argument("--checkpoint", required=True)
+  t.add_argument("--task", required=True, help="|".join(TASKS))
+  t.add_argument("--data", required=True, help="jsonl file")
+  t.add_argument("--mode", default="ntp", help="ntp|threshold|verify|drafter")
+  t.add_argument("--drafter", default=None, help="drafting checkpoint for --mode drafter (this one verifies)")
+  t.add_argument("--tau", type=float, default=0.9)
+  t.add_argument("--n", type=int, default=3)
+  t.add_argument("--max-bytes", type=int, default=None, help="generation budget per prompt (default per task)")
+  t.add_argument("--limit", type=int, default=None, help="first N examples")
+  t.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (paper: 1)")
+  t.add_argument("--metric", default=None, help="headline metric (default per task)")
+  t.add_argument("--temperature", type=float, default=None, help="override (default: greedy; ifeval 0.7)")
+  t.add_argument("--top-p", type=float, default=None, help="override (default: 1; ifeval 0.9)")
+  t.add_argument("--seed", type=int, default=0)
+  t.add_argument("--out", default=None, help="also write the full result (with outputs) to this JSON file")
+  t.add_argument("--json", action="store_true")
+  t.add_argument("--no-progress", action="store_true")
+
+  s = sub.add_parser("sweep", help="checkpoints x modes x taus x ns; JSON table and plots")
+  s.add_argument("--checkpoints", required=True, nargs="+")
+  s.add_argument("--task", required=True, help="|".join(TASKS))
+  s.add_argument("--data", required=True)
+  s.add_argument("--out", required=True, help="output directory")
+  s.add_argument("--taus", type=_floats, default=[0.9])
+  s.add_argument("--ns", type=_ints, default=[3])
+  s.add_argument("--modes", type=_names, default=["ntp", "threshold", "verify"])
+  s.add_argument("--drafter", default=None)
+  s.add_argument("--max-bytes", type=int, default=None)
+  s.add_argument("--limit", type=int, default=None)
+  s.add_argument("--batch-size", type=int, default=1)
+  s.add_argument("--metric", default=None)
+  s.add_argument("--seed", type=int, default=0)
+  s.add_argument("--no-progress", action="store_true")
+  return p
+
+
+def _load(path, step=None):
+  import lca_jax  # pylint: disable=g-import-not-at-top
+  return lca_jax.load(path, step=step) if step is not None else lca_jax.load(path)
+
+
+def _cmd_bpb(a) -> int:
+  from lca_jax.eval.bpb import evaluate_bpb  # pylint: disable=g-import-not-at-top
+  model = _load(a.checkpoint, a.step)
+  seq_len = a.seq_len or model.cfg.max_seq_len
+  if a.sft_format:
+    from lca_jax.data.sft import make_sft_eval_pipeline  # pylint: disable=g-import-not-at-top
+    packing = "segmented" if a.packing == "segmented" else "single"
+    batches = make_sft_eval_pipeline(a.data, a.sft_format, seq_len, a.batch_size, max_batches=a.max_batches,
+                                     packing=packing)
+  else:
+    from lca_jax.data.pipeline import make_eval_pipeline  # pylint: disable=g-import-not-at-top
+    batches = make_eval_pipeline(a.data, a.format, seq_len, a.batch_size, a.packing, max_batches=a.max_batches,
+                                 text_key=a.text_key, shard_index=0, shard_count=1, on_bad_shard="error")
+  res = evaluate_bpb(model, batches, max_batches=a.max_batches, progress=not a.no_progress)
+  res.update(checkpoint=a.checkpoint, seq_len=seq_len, batch_size=a.batch_size)
+  if a.json:
+    print(json.dumps(res))
+    return 0
+  print(f"checkpoint {a.checkpoint}: {res['batches']} batches of {a.batch_size} x {seq_len}")
+  heads = sorted((k for k in res if k.startswith("bpb_")), key=lambda k: (k != "bpb_ntp", k))
+  for k in heads:
+    n = res.get("targets_" + k[4:])
+    print(f"  {k:22s} {res[k]:.4f}" + (f"  ({n} targets)" if n is not None else ""))
+  for k in ("bytes_per_latent", "boundary_rate", "group_len_mean", "group_len_p10", "group_len_p50",
+            "group_len_p90", "group_len_p99", "group_len_max", "overflow"):
+    if k in res:
+      print(f"  {k:22s} {res[k]:.4f}" if isinstance(res[k], float) else f"  {k:22s} {res[k]}")
+  return 0
+
+
+def _cmd_tasks(a) -> int:
+  from lca_jax.eval import tasks  # pylint: disable=g-import-not-at-top
+  from lca_jax.eval.sweep import write_json  # pylint: disable=g-import-not-at-top
+  tasks.check_task(a.task)
+  model = _load(a.checkpoint)
+  drafter = _load(a.drafter) if a.drafter else None
+  max_bytes = a.max_bytes or tasks.DEFAULT_MAX_BYTES[a.task]
+  ctx = min(model.cfg.max_seq_len, drafter.cfg.max_seq_len if drafter else model.cfg.max_seq_len)
+  examples = tasks.load_examples(a.task, a.data, limit=a.limit, max_prompt_bytes=max(16, ctx - max_bytes))
+  r = tasks.run_task(model, a.task, examples, mode=a.mode, tau=a.tau, n=a.n, max_bytes=max_bytes,
+                     batch_size=a.batch_size, drafter=drafter, seed=a.seed, metric=a.metric,
+                     progress=not a.no_progress, temperature=a.temperature, top_p=a.top_p)
+  r.update(checkpoint=a.checkpoint, drafter=a.drafter, data=a.data)
+  if a.out:
+    write_json(r, a.out)
+  if a.json:
+    from lca_jax.eval.sweep import _jsonable  # pylint: disable=g-import-not-at-top
+    print(json.dumps(_jsonable({k: v for k, v in r.items() if k != "outputs"})))
+  else:
+    print(tasks.summary_line(r))
+  return 0
+
+
+def _cmd_sweep(a) -> int:
+  from lca_jax.eval.sweep import run_sweep  # pylint: disable=g-import-not-at-top
+  res = run_sweep(a.checkpoints, a.task, a.data, a.out, modes=a.modes, taus=a.taus, ns=a.ns, drafter=a.drafter,
+                  limit=a.limit, max_bytes=a.max_bytes, batch_size=a.batch_size, metric=a.metric, seed=a.seed,
+                  progress=not a.no_progress)
+  from lca_jax.eval.tasks import summary_line  # pylint: disable=g-import-not-at-top
+  for r in res["runs"]:
+    print(f"{r['label']}: {summary_line(r)}")
+  for s in res["skipped"]:
+    print(f"{s['label']}: skipped {s['mode']} n={s['n']}: {s['reason']}")
+  print(f"wrote {a.out}/sweep.json and {len(res['plots'])} plots")
+  return 0
+
+
+def main(argv=None) -> int:
+  a = _parser().parse_args(argv)
+  from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top
+  from lca_jax.data.sources import DataError  # pylint: disable=g-import-not-at-top
+  from lca_jax.decode.engine import DecodeError  # pylint: disable=g-import-not-at-top
+  from lca_jax.eval.tasks import TaskError  # pylint: disable=g-import-not-at-top
+  try:
+    return {"bpb": _cmd_bpb, "tasks": _cmd_tasks, "sweep": _cmd_sweep}[a.command](a)
+  except (LoadError, DataError, DecodeError, TaskError, FileNotFoundError) as e:
+    return _fail(str(e))
+  except KeyboardInterrupt:
+    return _fail("interrupted", 130)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,328 @@
+"""Evaluation: metrics, IFEval checkers, bpb, tasks end to end, sweeps and lca-eval errors.
+
+Decoder compiles dominate on CPU, so every real-model generation uses the same shapes
+(threshold mode, n=3, batch 2, max_bytes 16, greedy, prompts of 65..128 bytes): one compile
+for all four tasks and the sweep.  Mode-specific bookkeeping (ntp, verify, drafter) and the
+IFEval sampling settings are tested with a stand-in model.
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import json
+import math
+import types
+
+import numpy as np
+import pytest
+
+from lca_jax import vocab
+from lca_jax.cli import eval as cli
+from lca_jax.decode.engine import DecodeError, GenerateResult
+from lca_jax.eval import bpb, ifeval, metrics, plots, sweep, tasks
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+SUMM = [{"article": "The small cat sat on the warm mat all day long while the rain fell.",
+         "highlights": "A cat sat on a mat."},
+        {"article": "Rain fell over the old city for many hours and the streets were flooded.",
+         "summary": "Rain flooded the city."}]
+TRANS = [{"es": "El gato duerme en la casa grande.", "en": "The cat sleeps in the big house."},
+         {"src": "Hola amigo mio, que tal estas hoy?", "tgt": "Hello my friend, how are you today?"}]
+QA = [{"story": "Tom has a red ball and a blue kite.", "question": "What color is the ball?",
+       "answers": ["red", "Red."]},
+      {"story": "Ann is ten years old and lives in Rome.", "questions": [{"input_text": "Who is it?"},
+       {"input_text": "How old?"}], "answers": [{"input_text": "Ann"}, {"input_text": "ten"}]}]
+IFE = [{"key": 1, "prompt": "Write a short poem about cats and dogs, please.",
+        "instruction_id_list": ["punctuation:no_comma", "length_constraints:number_words"],
+        "kwargs": [{}, {"relation": "less than", "num_words": 50}]},
+       {"key": 2, "prompt": "Say hello to my friend in Spanish, all lowercase.",
+        "instruction_id_list": ["language:response_language", "change_case:english_lowercase"],
+        "kwargs": [{"language": "es"}, {}]}]
+DATA = {"summarization": SUMM, "translation": TRANS, "qa": QA, "ifeval": IFE}
+GEN = ["--mode", "threshold", "--n", "3", "--tau", "0.9", "--max-bytes", "16", "--batch-size", "2", "--no-progress"]
+
+
+def write_jsonl(path, records, raw=()):
+  with open(path, "w", encoding="utf-8") as f:
+    for r in records:
+      f.write(json.dumps(r) + "\n")
+    for line in raw:
+      f.write(line + "\n")
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  d = tmp_path_factory.mktemp("evaldata")
+  out = {t: write_jsonl(d / f"{t}.jsonl", recs) for t, recs in DATA.items()}
+  out["text"] = str(d / "held.txt")
+  with open(out["text"], "w") as f:
+    f.write("Hello world, this is a held-out document.\n\nAnother paragraph, with more words in it.\n\n"
+            "A third one.\n\nAnd a fourth paragraph to make two batches.\n")
+  return out
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+  from conftest import random_params, tiny_config
+  from lca_jax.interop import upstream
+  d = tmp_path_factory.mktemp("ckpt")
+  out = {}
+  for name, variant in (("lca", "lca_mbp"), ("fxt", "fxt")):
+    cfg = tiny_config(variant, vocab_size=261, max_seq_len=256)
+    upstream.write_dir(str(d / name), random_params(cfg, seed=1), cfg)
+    out[name] = str(d / name)
+  return out
+
+
+def run_cli(capsys, *args):
+  rc = cli.main(list(args))
+  cap = capsys.readouterr()
+  return rc, cap.out, cap.err
+
+
+# ---- metrics ------------------------------------------------------------------------------
+def test_rouge_bleu_chrf_hand_values():
+  r = metrics.rouge(["the cat sat"], ["the cat sat on the mat"])
+  assert r["rouge1"] == pytest.approx(100 * 2 / 3)  # P 3/3, R 3/6
+  assert r["rouge2"] == pytest.approx(100 * 2 * 0.4 / 1.4)  # P 2/2, R 2/5
+  assert r["rougeL"] == pytest.approx(100 * 2 / 3)
+  assert metrics.rouge(["same text here"], ["same text here"])["rouge2"] == pytest.approx(100)
+  assert metrics.rouge(["alpha beta"], ["gamma delta"])["rouge1"] == 0
+  s = "the quick brown fox jumps over the lazy dog"
+  assert metrics.bleu([s], [s]) == pytest.approx(100)
+  assert metrics.bleu(["aaa bbb ccc ddd"], [s]) == 0
+  assert metrics.chrf([s], [s]) == pytest.approx(100)
+  assert 0 < metrics.chrf(["the quick brown cat"], [s]) < 100
+  with pytest.raises(ValueError):
+    metrics.bleu(["a"], ["a", "b"])
+
+
+def test_coqa_normalisation_and_f1():
+  assert metrics.normalize_answer("The  Cat, sat!") == "cat sat"
+  assert metrics.normalize_answer("An apple a day; THE end.") == "apple day end"
+  assert metrics.normalize_answer("theater") == "theater"  # articles only as whole words
+  assert metrics.f1_score("the red ball", "A red ball!") == 1.0
+  assert metrics.f1_score("red ball", "ball red big") == pytest.approx(0.8)  # P 2/3, R 1
+  assert metrics.f1_score("", "") == 1.0
+  assert metrics.f1_score("a", "x") == 0.0  # gold normalises to nothing
+  assert metrics.f1_score("cat", "dog") == 0.0
+  assert metrics.exact_match("The Cat.", "cat") == 1
+  turn = metrics.coqa_turn_scores(["red", "red ball"], "red")  # leave-one-out: (2/3 + 1) / 2
+  assert turn["f1"] == pytest.approx((2 / 3 + 1) / 2) and turn["em"] == pytest.approx(0.5)
+  assert metrics.coqa(["red", "no"], [["red"], ["yes"]]) == {"f1": 50.0, "em": 50.0}
+
+
+IFEVAL_CASES = [
+    ("keywords:existence", {"keywords": ["cat", "dog"]}, "A Cat and a dog.", "A cat only."),
+    ("keywords:frequency", {"keyword": "yes", "frequency": 2, "relation": "at least"}, "yes YES", "yes"),
+    ("keywords:frequency", {"keyword": "no", "frequency": 2, "relation": "less than"}, "no", "no no"),
+    ("keywords:forbidden_words", {"forbidden_words": ["bad"]}, "badge is fine", "a Bad day"),
+    ("keywords:letter_frequency", {"letter": "z", "let_frequency": 2, "let_relation": "at least"}, "zZ", "z"),
+    ("length_constraints:number_words", {"num_words": 3, "relation": "less than"}, "two words", "one two three"),
+    ("length_constraints:number_sentences", {"num_sentences": 2, "relation": "at least"},
+     "Dr. Smith came. He left!", "Dr. Smith came home."),
+    ("length_constraints:number_paragraphs", {"num_paragraphs": 2}, "one\n***\ntwo", "one\n***\ntwo\n***\nthree"),
+    ("length_constraints:nth_paragraph_first_word", {"num_paragraphs": 2, "nth_paragraph": 2, "first_word": "then"},
+     "First.\n\n\"Then, second.", "First.\n\nNow second."),
+    ("detectable_content:number_placeholders", {"num_placeholders": 2}, "[name] at [place]", "[name] only"),
+    ("detectable_content:postscript", {"postscript_marker": "P.S."}, "Hi.\np.s. bye", "Hi. bye"),
+    ("detectable_content:postscript", {"postscript_marker": "P.P.S"}, "Hi.\nP.P.S more", "Hi.\nP.S. more"),
+    ("detectable_format:number_bullet_lists", {"num_bullets": 2}, "* a\n- b", "* a\n* b\n* c"),
+    ("detectable_format:constrained_response", {}, "My answer is yes.", "Yes."),
+    ("detectable_format:number_highlighted_sections", {"num_highlights": 2}, "*a* and **b**", "*a* and **"),
+    ("detectable_format:multiple_sections", {"section_spliter": "Section", "num_sections": 2},
+     "Section 1\nx\nSection 2\ny", "Section 1\nx"),
+    ("detectable_format:json_format", {}, "```json\n{\"a\": 1}\n```", "{a: 1}"),
+    ("detectable_format:title", {}, "<<My Title>>\ntext", "<< >> text"),
+    ("combination:two_responses", {}, "one******two", "one******one"),
+    ("combination:repeat_prompt", {"prompt_to_repeat": "Say hi."}, "say hi. Hi!", "Hi! Say hi."),
+    ("startend:end_checker", {"end_phrase": "Any questions?"}, "Done. Any questions?\"", "Any questions? Done."),
+    ("startend:quotation", {}, " \"quoted\" ", "\"half"),
+    ("change_case:capital_word_frequency", {"capital_frequency": 2, "capital_relation": "at least"},
+     "THE BIG dog", "The BIG dog"),
+    ("change_case:english_capital", {}, "ALL CAPS 1", "Not caps"),
+    ("change_case:english_lowercase", {}, "all lower", "Not lower"),
+    ("punctuation:no_comma", {}, "no commas here", "a, b"),
+]
+
+
+@pytest.mark.parametrize("iid,kw,good,bad", IFEVAL_CASES, ids=[c[0] + str(i) for i, c in enumerate(IFEVAL_CASES)])
+def test_ifeval_checkers(iid, kw, good, bad):
+  assert ifeval.check(iid, good, kw)
+  assert not ifeval.check(iid, bad, kw)
+
+
+def test_ifeval_every_checker_is_tested_and_loose_rules():
+  assert {c[0] for c in IFEVAL_CASES} == set(ifeval.CHECKERS)
+  resp = "Sure, here it is:\n\"quoted\"\nHope this helps!"
+  assert not ifeval.check("startend:quotation", resp, {})
+  assert ifeval.check("startend:quotation", resp, {}, loose=True)  # first and last line removed
+  assert ifeval.check("startend:quotation", '*"x"*', {}, loose=True)  # asterisks stripped
+  assert not ifeval.check("startend:quotation", '*"x"*', {})
+  assert not ifeval.check("punctuation:no_comma", "   ", {}, loose=True)  # empty never follows
+  res = ifeval.evaluate(IFE, ["cats and dogs play", "Hola amigo"])
+  assert res["unsupported"] == {"language:response_language": 1}
+  assert res["n_instructions"] == 3 and res["n_prompts"] == 2
+  assert res["instruction_loose"] == pytest.approx(200 / 3) and res["prompt_loose"] == 50.0
+
+
+def test_pareto_front():
+  pts = [(1, 5), (2, 4), (3, 1), (1.5, 3), (2, 4.5)]
+  assert plots.pareto_front(pts) == [0, 4, 2]
+
+
+# ---- tasks and sweeps with a stand-in model (no compilation) -----------------------------------
+class FakeModel:
+  """Answers each prompt with its reference; 2 rows x steps of committed bytes [3, 1, 2]."""
+
+  def __init__(self, examples, has_mbp=True):
+    self.cfg = types.SimpleNamespace(max_seq_len=512, has_mbp=has_mbp)
+    self.answers = {np.asarray(e.prompt_ids, np.int32).tobytes(): (e.references or ["ok"])[0] for e in examples}
+    self.calls = []
+
+  def generate(self, prompts, mode="ntp", n=3, drafter=None, **kw):
+    self.calls.append(dict(kw, mode=mode, n=n, batch=len(prompts)))
+    if mode != "ntp" and not self.cfg.has_mbp:
+      raise DecodeError(f"{mode} mode needs a multi-byte head")
+    if mode == "drafter" and drafter is None:
+      raise DecodeError("drafter mode needs a drafter model")
+    texts = [self.answers[np.asarray(p, np.int32).tobytes()] for p in prompts]
+    per = [[1] * len(vocab.encode(t)) if mode == "ntp" else [3, 1, 2] for t in texts]
+    return GenerateResult(texts=texts, ids=[vocab.encode(t, add_eos=True) for t in texts],
+                          prompt_boundaries=[], boundaries=[], accepted_per_step=per, histogram={},
+                          acceptance_rate=float("nan") if mode == "ntp" else 0.5, latent_steps_per_byte=0.25,
+                          bytes_per_s=0.0, elapsed_s=0.01, compile_s=0.0, steps=3)
+
+
+@pytest.mark.parametrize("task,metric", [("summarization", "rougeL"), ("translation", "bleu"), ("qa", "f1")])
+def test_run_task_scores_and_bookkeeping(files, task, metric):
+  ex = tasks.load_examples(task, files[task])
+  model = FakeModel(ex)
+  r = tasks.run_task(model, task, ex, mode="threshold", n=3, batch_size=2, max_bytes=16)
+  assert r["metric"] == metric and r["quality"] == pytest.approx(100)
+  assert r["accepted_hist"] == {2: len(ex), 0: len(ex), 1: len(ex)}  # committed - 1 (the NT byte)
+  assert r["committed_hist"] == {3: len(ex), 1: len(ex), 2: len(ex)}
+  assert r["acceptance_rate"] == pytest.approx(0.5)
+  assert r["bytes_per_s"] == pytest.approx(sum(len(e.references[0].encode()) for e in ex) / (0.01 * len(model.calls)))
+  assert all(c["batch"] == 2 and c["temperature"] == 0.0 for c in model.calls)  # padded batches, greedy
+  assert all(c["pad_to"] in (32, 64, 128) for c in model.calls)
+
+
+def test_run_task_modes_and_ifeval_sampling(files):
+  ex = tasks.load_examples("ifeval", files["ifeval"])
+  model = FakeModel(ex)
+  r = tasks.run_task(model, "ifeval", ex, mode="drafter", drafter=object(), batch_size=1)
+  assert model.calls[0]["temperature"] == 0.7 and model.calls[0]["top_p"] == 0.9  # paper's IFEval setting
+  assert r["accepted_hist"] == {3: 2, 1: 2, 2: 2} and r["max_bytes"] == tasks.DEFAULT_MAX_BYTES["ifeval"]
+  r = tasks.run_task(model, "ifeval", ex, mode="ntp")
+  assert math.isnan(r["acceptance_rate"]) and r["accepted_hist"] == {} and r["n"] == 1
+  with pytest.raises(tasks.TaskError, match="metric 'bleu'"):
+    tasks.run_task(model, "ifeval", ex, metric="bleu")
+
+
+def test_sweep_with_stand_in_models(files, tmp_path):
+  ex = tasks.load_examples("translation", files["translation"])
+  models = {"a/lca": FakeModel(ex), "b/fxt": FakeModel(ex, has_mbp=False)}
+  res = sweep.run_sweep(list(models), "translation", files["translation"], str(tmp_path),
+                        modes=["ntp", "threshold", "verify", "drafter"], taus=[0.7, 0.9], ns=[3, 4],
+                        progress=False, loader=models.__getitem__)
+  runs = {(r["label"], r["mode"], r["tau"], r["n"]) for r in res["runs"]}
+  assert runs == ({("lca", "ntp", None, 1), ("fxt", "ntp", None, 1)}
+                  | {("lca", "threshold", t, n) for t in (0.7, 0.9) for n in (3, 4)}
+                  | {("lca", "verify", None, n) for n in (3, 4)})
+  reasons = {(s["label"], s["mode"]): s["reason"] for s in res["skipped"]}
+  assert "needs --drafter" in reasons[("lca", "drafter")] and "multi-byte head" in reasons[("fxt", "threshold")]
+  table = json.load(open(tmp_path / "sweep.json"))
+  assert len(table["runs"]) == 8 and table["machine"]["backend"]
+  for name in ("quality_vs_throughput", "throughput_vs_n", "accepted_hist"):
+    with open(tmp_path / f"{name}.png", "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- real tiny checkpoint ------------------------------------------------------------------
+def test_group_lengths_and_bpb_weighting(ckpts, files, capsys):
+  b = np.array([[0, 1, 0, 0, 1, 1, 0, 1]])
+  d = np.array([[1, 1, 1, 1, 1, 2, 2, 2]])
+  assert bpb.group_lengths(b, d).tolist() == [2, 3, 1, 2]
+  assert bpb.group_lengths(np.array([[1, 0, 1, 0]]), np.array([[1, 1, 1, 0]])).tolist() == [1, 2]
+  rc, out, err = run_cli(capsys, "bpb", "--checkpoint", ckpts["lca"], "--data", files["text"], "--seq-len", "48",
+                         "--batch-size", "2", "--json", "--no-progress")
+  assert rc == 0, err
+  res = json.loads(out)
+  assert res["batches"] == 2
+  for k in ("bpb_ntp", "bpb_mbp", "bytes_per_latent", "boundary_rate", "group_len_mean", "group_len_p50",
+            "group_len_p90"):
+    assert math.isfinite(res[k]) and res[k] > 0, k
+  assert res["bytes_per_latent"] == pytest.approx(1 / res["boundary_rate"])
+  # target-weighted over the run, not a mean of batch means
+  import lca_jax
+  from lca_jax.data import make_eval_pipeline
+  model = lca_jax.load(ckpts["lca"])
+  batches = list(make_eval_pipeline(files["text"], "text", 48, 2, shard_index=0, shard_count=1))
+  parts = [bpb.evaluate_bpb(model, [x]) for x in batches]
+  for head in ("ntp", "mbp"):
+    n = [p[f"targets_{head}"] for p in parts]
+    want = sum(p[f"bpb_{head}"] * k for p, k in zip(parts, n)) / sum(n)
+    assert res[f"bpb_{head}"] == pytest.approx(want, rel=1e-5)
+    assert res[f"targets_{head}"] == sum(n)
+
+
+@pytest.mark.parametrize("task", ["summarization", "translation", "qa", "ifeval"])
+def test_tasks_end_to_end(ckpts, files, capsys, tmp_path, task):
+  ex = tasks.load_examples(task, files[task])
+  assert all(64 < len(e.prompt_ids) <= 128 for e in ex)  # one prompt bucket: one compile
+  out_file = str(tmp_path / "result.json")
+  # IFEval samples (T=0.7, top-p 0.9; see test_run_task_modes_and_ifeval_sampling); greedy here
+  # shares the one compiled decoder with the other tasks.
+  greedy = ["--temperature", "0"] if task == "ifeval" else []
+  rc, out, err = run_cli(capsys, "tasks", "--checkpoint", ckpts["lca"], "--task", task, "--data", files[task],
+                         *GEN, *greedy, "--json", "--out", out_file)
+  assert rc == 0, err
+  r = json.loads(out)
+  assert r["task"] == task and r["examples"] == len(ex) and r["metric"] == tasks.HEADLINE[task]
+  assert 0 <= r["quality"] <= 100 and r["bytes_per_s"] > 0 and r["generated_bytes"] > 0
+  assert r["acceptance_rate"] is None or 0 <= r["acceptance_rate"] <= 1
+  assert sum(r["committed_hist"].values()) == sum(r["accepted_hist"].values()) > 0
+  assert max(int(k) for k in r["accepted_hist"]) <= 2
+  assert r["temperature"] == 0.0 and r["top_p"] == (0.9 if task == "ifeval" else 1.0)
+  full = json.load(open(out_file))
+  assert len(full["outputs"]) == len(ex) and all(isinstance(o, str) for o in full["outputs"])
+
+
+def test_sweep_cli_on_real_checkpoints(ckpts, files, capsys, tmp_path):
+  out_dir = str(tmp_path / "sweep")
+  rc, out, err = run_cli(capsys, "sweep", "--checkpoints", ckpts["lca"], ckpts["fxt"], "--task", "summarization",
+                         "--data", files["summarization"], "--modes", "threshold", "--taus", "0.5,0.9", "--ns", "3",
+                         "--max-bytes", "16", "--batch-size", "2", "--out", out_dir, "--no-progress")
+  assert rc == 0, err
+  table = json.load(open(os.path.join(out_dir, "sweep.json")))
+  assert [(r["label"], r["tau"], r["n"]) for r in table["runs"]] == [("lca", 0.5, 3), ("lca", 0.9, 3)]
+  assert [(s["label"], s["tau"]) for s in table["skipped"]] == [("fxt", 0.5), ("fxt", 0.9)]
+  assert "multi-byte head" in table["skipped"][0]["reason"]
+  assert all(r["bytes_per_s"] > 0 and "accepted_hist" in r for r in table["runs"])
+  for name in ("quality_vs_throughput", "throughput_vs_n", "accepted_hist"):
+    assert os.path.getsize(os.path.join(out_dir, f"{name}.png")) > 2000
+
+
+# ---- one-line errors ------------------------------------------------------------------------
+def test_cli_errors(ckpts, files, capsys, tmp_path):
+  bad = write_jsonl(tmp_path / "bad.jsonl", SUMM[:1], raw=["", "{oops"])
+  cases = [
+      (["tasks", "--checkpoint", str(tmp_path / "nope"), "--task", "qa", "--data", files["qa"]],
+       "checkpoint path does not exist"),
+      (["tasks", "--checkpoint", ckpts["lca"], "--task", "poetry", "--data", files["qa"]], "unknown task 'poetry'"),
+      (["tasks", "--checkpoint", ckpts["lca"], "--task", "qa", "--data", str(tmp_path / "none.jsonl")],
+       "data file not found"),
+      (["tasks", "--checkpoint", ckpts["lca"], "--task", "summarization", "--data", bad], "bad.jsonl:3: malformed JSON"),
+      (["tasks", "--checkpoint", ckpts["lca"], "--task", "qa", "--data", files["summarization"]],
+       "summarization.jsonl:1: not a qa example"),
+      (["bpb", "--checkpoint", ckpts["lca"], "--data", str(tmp_path / "none.txt")], "no files match"),
+      (["sweep", "--checkpoints", ckpts["lca"], "--task", "qa", "--data", files["qa"], "--modes", "fast",
+        "--out", str(tmp_path / "o")], "unknown mode 'fast'"),
+  ]
+  for args, msg in cases:
+    rc, out, err = run_cli(capsys, *args)
+    assert rc == 2 and msg in err, (args, err)
+    assert len(err.strip().splitlines()) == 1 and err.startswith("lca-eval: error: ")
