@@ -49,15 +49,19 @@ def _space_like(ids_BT):
   return ~(is_byte & (alnum | continuation))
 
 
-def spacebyte_boundaries(ids_BT, max_group: int, forced_BT=None):
+def spacebyte_boundaries(ids_BT, max_group: int, forced_BT=None, doc_BT=None):
   """SpaceByte heuristic: byte t closes a group when it is space-like and byte t-1 is not,
   or when the group has reached ``max_group`` bytes (or where ``forced_BT`` is set).
 
-  Byte 0 has no predecessor: its predecessor counts as not space-like. Causal by construction
-  (uses x_{t-1}, x_t only, plus the running group length).
+  Byte 0 has no predecessor: its predecessor counts as not space-like; with ``doc_BT``
+  (segmented packing) so does the predecessor of each document's first byte, so that no
+  decision reads another document. Causal by construction (uses x_{t-1}, x_t only, plus the
+  running group length).
   """
   sl = _space_like(ids_BT)
   prev = jnp.pad(sl[:, :-1], ((0, 0), (1, 0)), constant_values=False)
+  if doc_BT is not None:
+    prev = prev & jnp.pad(doc_BT[:, 1:] == doc_BT[:, :-1], ((0, 0), (1, 0)), constant_values=False)
   rule = sl & ~prev
   if forced_BT is not None:
     rule = rule | (forced_BT > 0)
