@@ -100,16 +100,19 @@ def test_exact_resume(tmp_path, straight):
   for (_, a), (_, b) in zip(rec.batches, straight["batches"]):
     np.testing.assert_array_equal(a, b)
   assert_trees_equal(host_params(second.state), straight["params"])
+  steps = [json.loads(l)["step"] for l in open(os.path.join(wd, "metrics.jsonl"))]
+  assert steps == list(range(1, 2 * N + 1))
 
 
 def test_sigterm_checkpoints_and_resumes(tmp_path, straight):
   wd = str(tmp_path)
   cfg = tiny_config(f"train.steps={2 * N}")
   rec = Recorder(fire_at=N - 1, action=lambda _: os.kill(os.getpid(), signal.SIGTERM))
+  before = signal.getsignal(signal.SIGTERM)
   res = loop.train_and_evaluate(cfg, wd, on_step=rec)
   assert res.stopped and res.step == N
   assert ckpt_lib.Checkpointer(wd, read_only=True).all_steps() == [N]
-  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler removed again
+  assert signal.getsignal(signal.SIGTERM) is before  # our handler is removed again
   res2 = loop.train_and_evaluate(cfg, wd, on_step=rec)
   assert res2.step == 2 * N and not res2.stopped
   for (_, a), (_, b) in zip(rec.batches, straight["batches"]):
@@ -196,3 +199,11 @@ def test_cli_config_mismatch_names_fields(straight, capsys):
   assert code == 2 and "does not match the checkpoint" in err
   assert "model.d_inner: checkpoint 64, now 128" in err and "optim.lr" in err
   assert len(err.splitlines()) == 1
+
+
+def test_metrics_lines_after_resume_point_are_dropped(tmp_path):
+  from lca_jax.train import metrics
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 25, 50, 75)))
+  metrics.MetricsWriter(str(tmp_path), tensorboard=False, start_step=50).close()
+  assert [json.loads(l)["step"] for l in open(path)] == [1, 25, 50]

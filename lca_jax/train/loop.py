@@ -117,6 +117,9 @@ def data_sources(config) -> dict:
   eval_files = str(config.data.eval_files or "").strip()
   split = lambda s: [p.strip() for p in s.split(",") if p.strip()]
   fmt = _fmt(config.data.format)
+  if not train_files and _sft_format(config):
+    raise TrainError(f"data.sft_format={_sft_format(config)!r} needs data.train_files "
+                     "(jsonl files of examples); the bundled demo corpus is plain text")
   if not train_files:
     demo = demo_corpus_files()
     out = dict(train=dict(files=demo, format="text", holdout="train"))
@@ -142,20 +145,44 @@ def _pipeline_kwargs(config, src):
   return kw
 
 
+def _sft_format(config) -> str:
+  return str(_cfg_get(config.data, "sft_format", "") or "").strip()
+
+
+def _sft_kwargs(config):
+  from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
+  packing = str(config.data.packing)
+  # ``concat`` (cut documents into rows) has no meaning for prompt/target examples.
+  return dict(sft_format=_sft_format(config), seq_len=int(config.data.seq_len),
+              packing=packing if packing in sft.SFT_PACKING else "segmented",
+              worker_count=int(config.data.worker_count))
+
+
 def make_train_pipeline(config, plan: BatchPlan):
-  from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
+  """This process's training batches ([host_rows, T] numpy dicts), checkpointable."""
   src = data_sources(config)["train"]
+  if _sft_format(config):
+    from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
+    return sft.make_sft_pipeline(src["files"], batch_size=plan.host_rows,
+                                 seed=int(config.train.seed), shuffle=True, **_sft_kwargs(config))
+  from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
   return dp.make_pipeline(src["files"], batch_size=plan.host_rows, seed=int(config.train.seed),
                           shuffle=True, **_pipeline_kwargs(config, src))
 
 
 def make_eval_pipeline(config, plan: BatchPlan):
-  from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
+  """One deterministic pass over the held-out data (None when there is none)."""
   src = data_sources(config)["eval"]
   if src is None:
     return None
-  return dp.make_eval_pipeline(src["files"], batch_size=plan.host_micro,
-                               max_batches=int(config.train.eval_batches) or None,
+  max_batches = int(config.train.eval_batches) or None
+  if _sft_format(config):
+    from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
+    return sft.make_sft_eval_pipeline(src["files"], batch_size=plan.host_micro,
+                                      max_batches=max_batches, shard_index=jax.process_index(),
+                                      shard_count=jax.process_count(), **_sft_kwargs(config))
+  from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
+  return dp.make_eval_pipeline(src["files"], batch_size=plan.host_micro, max_batches=max_batches,
                                **_pipeline_kwargs(config, src))
 
 
@@ -412,7 +439,8 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
                                                      plan.seq_len, bpl)
     peak = met.peak_flops_per_device(override_tflops=float(_cfg_get(config.train, "peak_tflops", 0.0)))
     n_dev = mesh.devices.size
-    writer = met.MetricsWriter(workdir, bool(_cfg_get(config.train, "tensorboard", True)))
+    writer = met.MetricsWriter(workdir, bool(_cfg_get(config.train, "tensorboard", True)),
+                               start_step=start)
     progress = met.Progress(total, start, bool(config.train.progress_bar))
     progress.write(
         f"lca-train: {model_cfg.kind} model, {n_params / 1e6:.2f}M params, mesh "

@@ -116,18 +116,44 @@ def _clean(v):
   return v if math.isfinite(v) else None
 
 
+def _drop_after(path: str, step: int) -> None:
+  if not os.path.isfile(path):
+    return
+  with open(path, encoding="utf-8") as f:
+    lines = f.readlines()
+  keep = []
+  for line in lines:
+    try:
+      if int(json.loads(line)["step"]) <= step:
+        keep.append(line)
+    except (ValueError, KeyError, TypeError):
+      continue
+  if len(keep) != len(lines):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.writelines(keep)
+    os.replace(tmp, path)
+
+
 class MetricsWriter:
   """metrics.jsonl / eval.jsonl / TensorBoard; a no-op on processes other than 0."""
 
-  def __init__(self, workdir: str, tensorboard: bool = True):
+  def __init__(self, workdir: str, tensorboard: bool = True, start_step: int = 0):
+    """``start_step``: the step the run (re)starts from; lines and TensorBoard events logged
+    after it by an earlier, interrupted run are dropped, so a resumed run has no duplicates."""
     self.active = jax.process_index() == 0
     self.train_path = os.path.join(workdir, "metrics.jsonl")
     self.eval_path = os.path.join(workdir, "eval.jsonl")
     self.tb = None
-    if self.active and tensorboard:
+    if not self.active:
+      return
+    for path in (self.train_path, self.eval_path):
+      _drop_after(path, start_step)
+    if tensorboard:
       try:
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-        self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+        self.tb = SummaryWriter(os.path.join(workdir, "tb"),
+                                purge_step=start_step + 1 if start_step else None)
       except ImportError:
         self.tb = None
 
