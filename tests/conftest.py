@@ -1,0 +1,153 @@
+"""Shared test setup and fixtures.
+
+The environment defaults are set before jax is imported anywhere: tests run on CPU with 8
+virtual host devices (so sharding tests can build meshes), unless the caller says otherwise.
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import functools  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `configs` (config files import configs.base) and lca_jax from a checkout
+  sys.path.insert(0, ROOT)
+
+import flax.linen as nn  # noqa: E402  pylint: disable=g-import-not-at-top
+import jax  # noqa: E402  pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top
+
+from lca_jax.model.config import ModelConfig  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.model.hierarchical import init_params  # noqa: E402  pylint: disable=g-import-not-at-top
+
+# Compiles dominate the test time on CPU: keep them in a persistent XLA cache across runs
+# (keyed by the program, compile options and jax version, so never stale). LCA_JAX_TEST_XLA_CACHE=0
+# turns it off; any other value is the cache directory.
+_cache = os.environ.get("LCA_JAX_TEST_XLA_CACHE",
+                        os.path.join(tempfile.gettempdir(), "lca_jax_test_xla_cache"))
+if _cache not in ("", "0"):
+  jax.config.update("jax_compilation_cache_dir", _cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  jax.config.update("jax_compilation_cache_max_size", 1 << 30)  # LRU, file-locked (concurrent runs)
+
+REF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "reference")
+REF_NAMES = ("lca_small", "lca_gqa", "fxt_small")
+
+# Tiny dimensions shared by model tests: small enough that a jit compile takes ~1 s on CPU.
+TINY_DIMS = dict(d_model=32, d_inner=64, n_heads=2, n_kv_heads=1, vocab_size=384, n_tokens=261,
+                 dropout=0.0)
+
+# Every member of the family at tiny size, built from ModelConfig directly.
+VARIANTS = {
+    "llamabyte": dict(kind="flat", n_enc=2, n_lm=0, n_dec=0, n_mbp=0),
+    "spacebyte": dict(n_enc=1, n_lm=1, n_dec=1, n_mbp=0, boundaries="spacebyte",
+                      spacebyte_max_group=5),
+    "fxt": dict(n_enc=1, n_lm=1, n_dec=1, n_mbp=0),
+    "mlp_mbp": dict(n_enc=1, n_lm=1, n_dec=1, n_mbp=0, n_mlp_mbp=2),
+    "lca_mbp": dict(n_enc=1, n_lm=1, n_dec=1, n_mbp=2),
+}
+
+
+def tiny_config(variant: str, **overrides) -> ModelConfig:
+  """A tiny ModelConfig of ``variant`` (a key of VARIANTS), with ``overrides``."""
+  kw = dict(TINY_DIMS)
+  kw.update(VARIANTS[variant])
+  kw.update(overrides)
+  return ModelConfig(**kw)
+
+
+@functools.lru_cache(maxsize=None)
+def random_params(cfg: ModelConfig, seed: int = 0, bp_gain: float = 3.0):
+  """Unboxed float32 params of ``ByteLM(cfg)`` with O(1) activations everywhere.
+
+  The model's own init (std 0.02) makes every stage nearly constant in its input, so learned
+  boundaries would be pure Gumbel noise and a changed byte would move logits by ~1e-4. Here
+  kernels are N(0, 1/fan_in), embeddings and the null group N(0, 1), norm scales 1 + N(0, 0.1^2),
+  biases N(0, 0.1^2), and the boundary predictor's output is multiplied by ``bp_gain`` so that
+  its decisions depend on the bytes as much as on the noise. Built from the abstract shapes
+  (no init compile), deterministic in ``seed``.
+  """
+  abstract = jax.eval_shape(lambda: nn.unbox(init_params(cfg, jax.random.PRNGKey(0))))
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+  rng = np.random.default_rng(seed)
+  out = []
+  for path, leaf in leaves:
+    names = [getattr(k, "key", str(k)) for k in path]
+    shape = leaf.shape
+    if names[-1] == "kernel":
+      x = rng.standard_normal(shape) / np.sqrt(shape[0])
+      if names[0] == "boundary_predictor" and names[1] == "fc2":
+        x = x * bp_gain
+    elif names[-1] == "scale":
+      x = 1.0 + 0.1 * rng.standard_normal(shape)
+    elif names[-1] == "bias":
+      x = 0.1 * rng.standard_normal(shape)
+    else:  # embedding, null_group
+      x = rng.standard_normal(shape)
+    out.append(jnp.asarray(x, jnp.float32))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def random_ids(rng: np.random.Generator, shape, text_like: bool = True) -> np.ndarray:
+  """Byte ids (byte + 3). ``text_like``: mostly lowercase letters with spaces and punctuation,
+  so that the SpaceByte rule closes groups; else uniform over all 256 bytes."""
+  if not text_like:
+    return rng.integers(3, 259, size=shape).astype(np.int32)
+  alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz    ..,,ABC019\n", np.uint8)
+  return (alphabet[rng.integers(0, len(alphabet), size=shape)].astype(np.int32) + 3)
+
+
+def segmented_layout(lengths, total: int):
+  """Doc ids and per-document positions for documents of ``lengths`` packed into one row of
+  ``total`` bytes (the rest is padding: doc 0, position 0)."""
+  doc = np.zeros(total, np.int32)
+  pos = np.zeros(total, np.int32)
+  at = 0
+  for d, n in enumerate(lengths, start=1):
+    doc[at:at + n] = d
+    pos[at:at + n] = np.arange(n)
+    at += n
+  assert at <= total
+  return doc, pos
+
+
+@pytest.fixture(scope="module")
+def fast_compile():
+  """Compile with most XLA optimizations off (module scope, restored afterwards).
+
+  The model tests are dominated by compile time on a 2-core CPU (3-5x faster this way) and run
+  tiny shapes, so execution speed does not matter. Use with
+  ``pytestmark = pytest.mark.usefixtures("fast_compile")``.
+  """
+  old = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", old)
+
+
+@pytest.fixture
+def np_rng():
+  return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session")
+def ref_dir():
+  """Path of tests/data/reference (reference vectors of the paper's PyTorch code)."""
+  return REF_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+  """The ``tiny_config`` factory as a fixture."""
+  return tiny_config
+
+
+@pytest.fixture(scope="session")
+def jax_key():
+  return jax.random.PRNGKey(0)

@@ -1,0 +1,141 @@
+"""jit(forward + backward) of every variant: finite loss, finite gradients for every parameter,
+the training metrics, and live gradients where the design says they flow.
+
+One compiled value-and-grad per variant (loss weights are traced arguments, so one compile
+serves several weightings). The batch has two rows: one document filling the row (what concat
+packing gives) and three documents plus padding (segmented packing).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import VARIANTS, random_ids, random_params, segmented_layout, tiny_config
+from lca_jax.model.hierarchical import ByteLM
+from lca_jax.model.loss import compute_loss
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+T = 32
+PRETRAIN = (1.0, 1.0, 10.0)
+NO_BP = (1.0, 1.0, 0.0)  # boundary predictor reached only through the straight-through pooling
+
+
+def _batch():
+  rng = np.random.default_rng(11)
+  doc, pos = segmented_layout((12, 10, 6), T)
+  return {
+      "ids": jnp.asarray(random_ids(rng, (2, T))),
+      "segment_ids": jnp.asarray(np.stack([np.ones(T, np.int32), doc])),
+      "positions": jnp.asarray(np.stack([np.arange(T, dtype=np.int32), pos])),
+  }
+
+
+@functools.lru_cache(maxsize=None)
+def _step(cfg):
+  model = ByteLM(cfg)
+
+  def loss_fn(params, batch, lambdas, key):
+    out = model.apply({"params": params}, batch["ids"], batch["segment_ids"], batch["positions"],
+                      train=True, rngs={"gumbel": key, "dropout": key})
+    return compute_loss(cfg, out, batch, lambdas)
+
+  return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _run(cfg, lambdas=PRETRAIN):
+  params = random_params(cfg, seed=2)
+  (loss, metrics), grads = _step(cfg)(params, _batch(), jnp.asarray(lambdas, jnp.float32),
+                                      jax.random.PRNGKey(4))
+  return float(loss), {k: float(v) for k, v in metrics.items()}, jax.tree_util.tree_map(np.asarray, grads)
+
+
+def _flat(tree):
+  return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check(cfg):
+  loss, metrics, grads = _run(cfg)
+  assert np.isfinite(loss)
+  assert all(np.isfinite(v) for v in metrics.values()), metrics
+  flat = _flat(grads)
+  params = _flat(random_params(cfg, seed=2))
+  assert flat.keys() == params.keys()
+  for name, g in flat.items():
+    assert g.shape == params[name].shape, name
+    assert np.all(np.isfinite(g)), f"non-finite gradient for {name}"
+  assert "bpb_ntp" in metrics and metrics["n_targets"] == (T - 1) + (12 - 1 + 10 - 1 + 6 - 1)
+  np.testing.assert_allclose(metrics["bpb_ntp"], metrics["ce_ntp"] / np.log(2), rtol=1e-6)
+  # every stack and the unembedding learn (no parameter group is cut off from the loss)
+  for prefix in ("['token_embedding']", "['encoder']", "['head']", "['norm']"):
+    assert any(np.abs(g).max() > 0 for n, g in flat.items() if n.startswith(prefix)), prefix
+  if not cfg.hierarchical:
+    return metrics, flat
+  for key in ("bp_loss", "bytes_per_latent", "overflow", "boundary_rate"):
+    assert key in metrics, key
+  assert metrics["overflow"] == 0 and metrics["bytes_per_latent"] >= 1.0
+  for prefix in ("['lm']", "['decoder']", "['null_group']"):
+    assert any(np.abs(g).max() > 0 for n, g in flat.items() if n.startswith(prefix)), prefix
+  if cfg.n_mbp:
+    assert "bpb_mbp" in metrics
+    assert any(np.abs(g).max() > 0 for n, g in flat.items() if n.startswith("['mbp']"))
+  for i in range(cfg.n_mlp_mbp):
+    assert f"bpb_mlp_mbp_{i + 1}" in metrics
+    assert any(np.abs(g).max() > 0 for n, g in flat.items() if n.startswith(f"['mlp_mbp_{i}']"))
+  if cfg.boundaries == "learned":
+    assert metrics["bp_loss"] >= 0
+    bp = [g for n, g in flat.items() if n.startswith("['boundary_predictor']")]
+    assert bp and all(np.abs(g).max() > 0 for g in bp)
+  else:
+    assert metrics["bp_loss"] == 0.0
+    assert not any(n.startswith("['boundary_predictor']") for n in flat)
+  return metrics, flat
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_forward_backward_xla(variant):
+  _check(tiny_config(variant, attention_impl="xla"))
+
+
+def test_straight_through_reaches_boundary_predictor():
+  """With lambda_BP = 0 the boundary predictor still gets gradient: through the straight-through
+  boundary values in the pooling weights (DESIGN §2.4)."""
+  cfg = tiny_config("lca_mbp")
+  loss, metrics, grads = _run(cfg, NO_BP)
+  assert np.isfinite(loss)
+  bp = [g for n, g in _flat(grads).items() if n.startswith("['boundary_predictor']")]
+  assert bp and all(np.all(np.isfinite(g)) and np.abs(g).max() > 0 for g in bp)
+  # and the BP loss term is what lambda_BP weights
+  loss_full, metrics_full, _ = _run(cfg, PRETRAIN)
+  np.testing.assert_allclose(loss_full - loss, 10.0 * metrics_full["bp_loss"], rtol=1e-4, atol=1e-5)
+
+
+def _pallas_available():
+  try:
+    from lca_jax.kernels import lca_attention  # pylint: disable=g-import-not-at-top,unused-import
+  except Exception as e:  # pylint: disable=broad-except
+    return f"lca_jax.kernels.lca_attention not importable: {e!r}"
+  return ""
+
+
+@pytest.mark.parametrize("variant", ["lca_mbp"])
+def test_forward_backward_pallas(variant):
+  """attention_impl='pallas' (interpret mode on CPU) gives the XLA path's loss and gradients.
+
+  LCA-MBP uses the kernel in every stack (causal stacks with all-zero group ids, the MBP head
+  with the LCA mask), so one variant covers every use of the kernel.
+  """
+  why = _pallas_available()
+  if why:
+    pytest.skip(why)
+  cfg = tiny_config(variant, attention_impl="pallas")
+  _check(cfg)
+  loss_p, metrics_p, grads_p = _run(cfg)
+  loss_x, metrics_x, grads_x = _run(tiny_config(variant, attention_impl="xla"))
+  np.testing.assert_allclose(loss_p, loss_x, rtol=1e-5)
+  gp, gx = _flat(grads_p), _flat(grads_x)
+  for name in gx:
+    np.testing.assert_allclose(gp[name], gx[name], atol=1e-4, rtol=1e-3, err_msg=name)
