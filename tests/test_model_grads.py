@@ -139,3 +139,14 @@ def test_forward_backward_pallas(variant):
   gp, gx = _flat(grads_p), _flat(grads_x)
   for name in gx:
     np.testing.assert_allclose(gp[name], gx[name], atol=1e-4, rtol=1e-3, err_msg=name)
+
+
+def test_remat_same_gradients():
+  """remat=True (activation checkpointing per block) changes memory, not the numbers."""
+  cfg = tiny_config("lca_mbp")
+  loss, _, grads = _run(cfg)
+  loss_r, _, grads_r = _run(cfg.replace(remat=True))
+  np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
+  g, gr = _flat(grads), _flat(grads_r)
+  for name in g:
+    np.testing.assert_allclose(gr[name], g[name], atol=1e-6, rtol=1e-5, err_msg=name)

@@ -133,7 +133,9 @@ class Block(nn.Module):
   dropout: float = 0.0
 
   @nn.compact
-  def __call__(self, x, positions, mask=None, *, kernel=None, cache=None, write_B=None,
+  # Not keyword-only: Stack's remat path passes every argument positionally (static_argnums
+  # there count self as 0: kernel is 4, deterministic 7).
+  def __call__(self, x, positions, mask=None, kernel=None, cache=None, write_B=None,
                deterministic=True):
     attn = Attention(self.n_heads, self.n_kv_heads, x.shape[-1] // self.n_heads, self.rope_base,
                      self.dtype, self.dropout, name="attn")
