@@ -90,18 +90,18 @@ def init_state(cfg: ModelConfig, params, batch: int, length: int, with_mbp: bool
       last_mlp=jnp.zeros((batch, k_mlp, v if k_mlp else 0), jnp.float32))
 
 
-def _segmented_running_sum(reset_BK, x_BKD, carry_BD):
-  """r_i = x_i + (0 if reset_i else r_{i-1}), r_{-1} = carry: an associative (log-depth) scan."""
-  flags = jnp.concatenate([jnp.ones_like(reset_BK[:, :1]), reset_BK], axis=1)
-  vals = jnp.concatenate([carry_BD[:, None], x_BKD], axis=1)
-
-  def combine(a, b):
-    fa, va = a
-    fb, vb = b
-    return fa | fb, jnp.where(fb[..., None], vb, va + vb)
-
-  _, out = jax.lax.associative_scan(combine, (flags, vals), axis=1)
-  return out[:, 1:]
+def _group_sums(prev_close_BK, x_BKD, w_BK, carry_BD, carry_cnt_B):
+  """Per-position sums over each byte's group within the block: segment s of the block starts
+  after each close; segment 0 continues the open group (``carry``). Returns the group-total sum
+  and count (of weights ``w``: 1 for real bytes) per position ([B, K, D], [B, K]) and the
+  segment ids. O(K) segment sums."""
+  b, k = prev_close_BK.shape
+  seg = jnp.cumsum(prev_close_BK.astype(jnp.int32), axis=1)
+  tot = jax.vmap(lambda x, s: jax.ops.segment_sum(x, s, num_segments=k))(x_BKD, seg)
+  cnt = jax.vmap(lambda w, s: jax.ops.segment_sum(w, s, num_segments=k))(w_BK, seg)
+  tot = tot.at[:, 0].add(carry_BD)
+  cnt = cnt.at[:, 0].add(carry_cnt_B)
+  return jnp.take_along_axis(tot, seg[..., None], 1), jnp.take_along_axis(cnt, seg, 1), seg
 
 
 def _spacebyte_closes(cfg, state, new_ids_BK, valid_BK):
@@ -150,10 +150,10 @@ def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_m
     closes = bnd.hard_boundaries(_apply(cfg, params, ByteLM.boundary_logits, h)) > 0
   closes = closes & valid
   prev_close = jnp.concatenate([jnp.zeros_like(closes[:, :1]), closes[:, :-1]], axis=1)
-  rs = _segmented_running_sum(prev_close, h.astype(jnp.float32), state.open_sum)
-  cnt = _segmented_running_sum(prev_close, jnp.ones((b, k, 1), jnp.float32),
-                               state.open_cnt[:, None])[..., 0]
-  pooled = (rs / (cnt[..., None] + 1e-9)).astype(h.dtype)
+  hf = h.astype(jnp.float32) * valid[..., None]
+  gsum, gcnt, seg = _group_sums(prev_close, hf, valid.astype(jnp.float32), state.open_sum,
+                                state.open_cnt)
+  pooled = (gsum / (gcnt[..., None] + 1e-9)).astype(h.dtype)
 
   # new latent slots: closing bytes, compacted in order, appended after n_closed
   cum = jnp.cumsum(closes.astype(jnp.int32), axis=1)
@@ -162,7 +162,11 @@ def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_m
   n_slots = state.z.shape[1]
   slot_pos = state.n_closed[:, None] + 1 + j
   lm_mask = jnp.arange(n_slots)[None, None, :] <= slot_pos[:, :, None]
-  z_new, lm = _stack(cfg, params, "lm", new_s, slot_pos, lm_mask, state.lm, state.n_closed + 1)
+  # the LM module runs only when some row closed a group (Eff-FxT); else its cache is unchanged
+  z_new, lm = jax.lax.cond(
+      jnp.any(closes),
+      lambda: _stack(cfg, params, "lm", new_s, slot_pos, lm_mask, state.lm, state.n_closed + 1),
+      lambda: (jnp.zeros_like(new_s), state.lm))
   z = write_rows(state.z, z_new, state.n_closed + 1)
   s = write_rows(state.s, new_s, state.n_closed + 1)
 
@@ -173,12 +177,12 @@ def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_m
   z_up = jnp.take_along_axis(z, u[..., None], axis=1)
   h_nt, dec = _stack(cfg, params, "decoder", z_up + h, pos, causal, state.dec, state.length)
   nt = _apply(cfg, params, ByteLM.logits, h_nt)
-  out.update(nt_logits=nt, rs=rs, cnt=cnt, closes=closes, n_closed=u)
+  out.update(nt_logits=nt, h=hf, seg=seg, closes=closes, n_closed=u)
   new = dict(ids=ids, length=state.length + k_B, b=bb, g=g, enc=enc, dec=dec, lm=lm, z=z, s=s,
              n_closed=state.n_closed + cum[:, -1])
   closed_last = _take(closes, last)
-  new["open_sum"] = keep(jnp.where(closed_last[:, None], 0.0, _take(rs, last)), state.open_sum)
-  new["open_cnt"] = keep(jnp.where(closed_last, 0.0, _take(cnt, last)), state.open_cnt)
+  new["open_sum"] = keep(jnp.where(closed_last[:, None], 0.0, _take(gsum, last)), state.open_sum)
+  new["open_cnt"] = keep(jnp.where(closed_last, 0.0, _take(gcnt, last)), state.open_cnt)
   new["last_nt"] = keep(_take(nt, last), state.last_nt)
   if with_mbp and cfg.has_lca:
     m = z_up + jnp.take_along_axis(s, u[..., None], axis=1)
@@ -227,12 +231,19 @@ def rollback(state: DecodeState, old: DecodeState, out: dict, a_B) -> DecodeStat
   sel = lambda x: _take(x, last)
   keep = lambda new, prev: jnp.where(has.reshape((-1,) + (1,) * (prev.ndim - 1)), new, prev)
   new = dict(length=old.length + a_B, last_nt=keep(sel(out["nt_logits"]), old.last_nt))
-  if "rs" in out:
+  if "seg" in out:
+    # the open group after byte a-1: the bytes of its block segment up to a-1 (+ the carry)
+    k = out["seg"].shape[1]
+    seg_last = sel(out["seg"])
+    inside = (out["seg"] == seg_last[:, None]) & (jnp.arange(k)[None] < a_B[:, None])
+    carry = (seg_last == 0)[:, None]
+    open_sum = jnp.sum(out["h"] * inside[..., None], axis=1) + carry * old.open_sum
+    open_cnt = jnp.sum(inside, axis=1) + carry[:, 0] * old.open_cnt
     closed_last = sel(out["closes"])
     new.update(
         n_closed=keep(sel(out["n_closed"]), old.n_closed),
-        open_sum=keep(jnp.where(closed_last[:, None], 0.0, sel(out["rs"])), old.open_sum),
-        open_cnt=keep(jnp.where(closed_last, 0.0, sel(out["cnt"])), old.open_cnt))
+        open_sum=keep(jnp.where(closed_last[:, None], 0.0, open_sum), old.open_sum),
+        open_cnt=keep(jnp.where(closed_last, 0.0, open_cnt), old.open_cnt))
   if "mbp_logits" in out:
     new["last_mbp"] = keep(sel(out["mbp_logits"]), old.last_mbp)
   if "mlp_logits" in out:

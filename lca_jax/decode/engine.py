@@ -42,6 +42,7 @@ class Plan:
   ignore_eos: bool
   max_bytes: int
   source: str  # where candidates come from: "lca", "mlp" or "" (ntp)
+  stream: bool = False  # call the host sink with each step's committed bytes
 
   @property
   def max_steps(self) -> int:
@@ -88,6 +89,14 @@ def _finalize(plan: Plan, d_BK, a_B, carry):
   a = jnp.minimum(a, plan.max_bytes - carry["gen"])
   done = done | (carry["gen"] + a >= plan.max_bytes)
   return a, done
+
+
+_SINK = [None]
+
+
+def _emit(d_BK, a_B):
+  if _SINK[0] is not None:
+    _SINK[0]([row[:k].tolist() for row, k in zip(d_BK, a_B)])
 
 
 def _step(cfgs, params, plan: Plan, tau, sp, carry):
@@ -147,6 +156,8 @@ def _step(cfgs, params, plan: Plan, tau, sp, carry):
     a, done = _finalize(plan, d, a, carry)
     st, _ = cache.extend(cfg, p_t, st, d, a, plan.mode == "threshold")
     acc = jnp.maximum(a - 1, 0)
+  if plan.stream:
+    jax.debug.callback(_emit, d, a, ordered=True)
   step = carry["step"]
   return dict(
       carry, st=st, key=key, pending=new_pending, done=done, gen=carry["gen"] + a, step=step + 1,
@@ -245,9 +256,9 @@ def _validate(model, mode, n, drafter, prompts, max_bytes, temperature, top_p):
     raise DecodeError(f"max_bytes must be >= 1, got {max_bytes}")
   if temperature < 0 or not 0 < top_p <= 1:
     raise DecodeError("temperature must be >= 0 and top_p in (0, 1]")
-  drafting = drafter.cfg if mode == "drafter" else cfg
   if mode == "drafter" and drafter is None:
     raise DecodeError("drafter mode needs a drafter model (an LCA-MBP or MLP-MBP checkpoint)")
+  drafting = drafter.cfg if mode == "drafter" else cfg
   if mode != "ntp" and not drafting.has_mbp:
     who = "the drafter" if mode == "drafter" else "this model"
     raise DecodeError(f"{mode} mode needs a multi-byte head, and {who} has none "
@@ -272,11 +283,13 @@ def _validate(model, mode, n, drafter, prompts, max_bytes, temperature, top_p):
 def generate(model, prompts: Union[str, Sequence[Any]], mode: str = "ntp", tau: float = 0.9,
              n: int = 3, max_bytes: int = 256, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, drafter=None,
-             pad_to: int = 32) -> GenerateResult:
+             pad_to: int = 32, on_bytes=None) -> GenerateResult:
   """Decode continuations of ``prompts`` (a str, bytes, id array, or a list of them).
 
   ``temperature == 0`` is greedy. Generation stops per row at eos (unless ``ignore_eos``) or
   after ``max_bytes`` bytes; it is also capped so prompt + generation fits ``max_seq_len``.
+  ``on_bytes(list of per-row id lists)`` is called after every step with the bytes it committed
+  (streaming; one host callback per step, so only use it when you want to watch).
   """
   enc = _encode_prompts(prompts)
   _validate(model, mode, n, drafter, enc, max_bytes, temperature, top_p)
@@ -288,7 +301,8 @@ def generate(model, prompts: Union[str, Sequence[Any]], mode: str = "ntp", tau: 
   longest = max(p.size for p in enc)
   limit = min(cfg.max_seq_len, (dcfg or cfg).max_seq_len)
   max_bytes = max(1, min(max_bytes, limit - longest))
-  plan = Plan(mode, n if mode != "ntp" else 1, temperature == 0, ignore_eos, max_bytes, source)
+  plan = Plan(mode, n if mode != "ntp" else 1, temperature == 0, ignore_eos, max_bytes, source,
+              stream=on_bytes is not None)
   p_len = -(-longest // pad_to) * pad_to
   length = p_len + max_bytes + plan.width + 1
   prompt = np.zeros((len(enc), p_len), np.int32)
@@ -300,9 +314,13 @@ def generate(model, prompts: Union[str, Sequence[Any]], mode: str = "ntp", tau: 
   args = (params, jnp.asarray(prompt), jnp.asarray(plen), jax.random.PRNGKey(seed),
           jnp.float32(tau), sp)
   exe, compile_s = _compiled((cfg, dcfg), plan, length, args)
-  t0 = time.perf_counter()
-  res = jax.device_get(exe(*args))
-  elapsed = time.perf_counter() - t0
+  _SINK[0] = on_bytes
+  try:
+    t0 = time.perf_counter()
+    res = jax.device_get(exe(*args))
+    elapsed = time.perf_counter() - t0
+  finally:
+    _SINK[0] = None
   return _collect(res, enc, plan, elapsed, compile_s)
 
 

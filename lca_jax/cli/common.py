@@ -1,0 +1,33 @@
+"""Shared CLI plumbing: one-line errors (exit status 2) instead of tracebacks."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+
+class CliError(Exception):
+  """An error to report in one line."""
+
+
+def fail(msg: str):
+  raise CliError(msg)
+
+
+def prog() -> str:
+  return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "lca"
+
+
+def run_main(fn: Callable[[], int]) -> int:
+  """Run ``fn``; user-facing errors (bad paths, configs, prompts) become one line on stderr."""
+  from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top
+  from lca_jax.decode.engine import DecodeError  # pylint: disable=g-import-not-at-top
+  from lca_jax.model.config import ConfigError  # pylint: disable=g-import-not-at-top
+  try:
+    return fn()
+  except (CliError, LoadError, DecodeError, ConfigError, FileNotFoundError) as e:
+    print(f"{prog()}: error: {e}", file=sys.stderr, flush=True)
+    return 2
+  except KeyboardInterrupt:
+    print(f"{prog()}: interrupted", file=sys.stderr, flush=True)
+    return 130
