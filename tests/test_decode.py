@@ -112,8 +112,9 @@ def test_cache_parity_per_step(name):
   rng = np.random.default_rng(1)
   b, t = 2, 40
   ids = np.stack([random_ids(rng, t) for _ in range(b)])
-  st = jax.jit(lambda: cache.init_state(cfg, model.params, b, 64, True))()
-  ext = jax.jit(lambda st, x, k: cache.extend(cfg, model.params, st, x, k, True))
+  c = 3 if cfg.has_lca else 0  # threshold mode's copies computed inside extend
+  st = jax.jit(lambda: cache.init_state(cfg, model.params, b, 64, True, c))()
+  ext = jax.jit(lambda st, x, k: cache.extend(cfg, model.params, st, x, k, True, c))
   cop = jax.jit(lambda st: cache.mbp_copies(cfg, model.params, st, 3))
   pos = np.zeros(b, int)
   chunks = [[5, 3], [1, 4], [3, 1], [9, 2], [2, 9], [4, 4], [1, 7]]
@@ -145,6 +146,7 @@ def test_cache_parity_per_step(name):
       for r in range(b):
         _, ref_copies = full_reference(model, jnp.asarray(ids[r: r + 1, : pos[r]]), 3)
         np.testing.assert_allclose(copies[r], ref_copies[0], atol=1e-3)
+        np.testing.assert_allclose(st.last_copies[r], ref_copies[0], atol=1e-3)
   if cfg.hierarchical:
     assert saw_multi_close
 

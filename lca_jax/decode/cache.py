@@ -40,6 +40,7 @@ class DecodeState:
   last_nt: jax.Array  # [B, V] next-byte logits at the last committed byte
   last_mbp: jax.Array  # [B, V] LCA-MBP logits at the last committed byte (or [B, 0])
   last_mlp: jax.Array  # [B, k, V] MLP-MBP logits at the last committed byte (or [B, 0, 0])
+  last_copies: jax.Array  # [B, C, V] LCA-MBP logits at C copies after the last byte (or [B, 0, 0])
 
 
 def _kv(cfg: ModelConfig, n_layers, b, length, dtype):
@@ -61,8 +62,10 @@ def _take(x_BK, idx_B):
   return jnp.take_along_axis(x_BK, idx_B.reshape((-1, 1) + (1,) * (x_BK.ndim - 2)), axis=1)[:, 0]
 
 
-def init_state(cfg: ModelConfig, params, batch: int, length: int, with_mbp: bool) -> DecodeState:
-  """Empty caches for ``length`` bytes; the LM module has already seen the null group."""
+def init_state(cfg: ModelConfig, params, batch: int, length: int, with_mbp: bool,
+               n_copies: int = 0) -> DecodeState:
+  """Empty caches for ``length`` bytes; the LM module has already seen the null group.
+  ``n_copies``: how many appended-copy candidates ``extend`` computes along (threshold mode)."""
   dt = jnp.dtype(cfg.dtype)
   d, v = cfg.d_model, cfg.n_tokens
   n_slots = length + 1
@@ -87,7 +90,8 @@ def init_state(cfg: ModelConfig, params, batch: int, length: int, with_mbp: bool
       n_closed=jnp.zeros((batch,), jnp.int32), open_sum=jnp.zeros((batch, d), jnp.float32),
       open_cnt=jnp.zeros((batch,), jnp.float32), last_nt=jnp.zeros((batch, v), jnp.float32),
       last_mbp=jnp.zeros((batch, v if (with_mbp and cfg.has_lca) else 0), jnp.float32),
-      last_mlp=jnp.zeros((batch, k_mlp, v if k_mlp else 0), jnp.float32))
+      last_mlp=jnp.zeros((batch, k_mlp, v if k_mlp else 0), jnp.float32),
+      last_copies=jnp.zeros((batch, n_copies, v if n_copies else 0), jnp.float32))
 
 
 def _group_sums(prev_close_BK, x_BKD, w_BK, carry_BD, carry_cnt_B):
@@ -121,9 +125,14 @@ def _spacebyte_closes(cfg, state, new_ids_BK, valid_BK):
   return closes.T
 
 
-def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_mbp: bool):
+def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_mbp: bool,
+           n_copies: int = 0):
   """Feed K bytes per row (the first ``k_B`` real) through every stack. Returns the new state
-  and per-position outputs: logits of each head and the running values needed for rollback."""
+  and per-position outputs: logits of each head and the running values needed for rollback.
+
+  With ``n_copies`` (LCA-MBP), the same MBP pass also reads the head at that many copies
+  appended after each row's new last byte (see ``mbp_copies``) into ``state.last_copies``.
+  """
   b, k = new_ids_BK.shape
   length_cap = state.ids.shape[1]
   j = jnp.arange(k)[None, :]
@@ -186,11 +195,21 @@ def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_m
   new["last_nt"] = keep(_take(nt, last), state.last_nt)
   if with_mbp and cfg.has_lca:
     m = z_up + jnp.take_along_axis(s, u[..., None], axis=1)
-    mask = _lca_cache_mask(g, grp, pos, length_cap)
-    h_m, mbp = _stack(cfg, params, "mbp", m, pos, mask, state.mbp, state.length)
+    order = pos
+    c = n_copies
+    if c:  # copies of the last real byte ride along: slots length+K.., order length+k_B..
+      u_last = state.n_closed + cum[:, -1]
+      m = jnp.concatenate([m, jnp.repeat(_take(m, last)[:, None], c, axis=1)], axis=1)
+      grp = jnp.concatenate([grp, jnp.repeat(u_last[:, None], c, axis=1)], axis=1)
+      order = jnp.concatenate([pos, (state.length + k_B)[:, None] + jnp.arange(c)[None]], 1)
+    key_g = write_rows(g, grp, state.length)
+    mask = _lca_cache_mask(key_g, grp, order, _key_order(state.length, k_B, k, c, length_cap))
+    h_m, mbp = _stack(cfg, params, "mbp", m, order, mask, state.mbp, state.length)
     mbp_logits = _apply(cfg, params, ByteLM.logits, h_m)
-    out["mbp_logits"] = mbp_logits
+    out["mbp_logits"] = mbp_logits[:, :k]
     new.update(mbp=mbp, last_mbp=keep(_take(mbp_logits, last), state.last_mbp))
+    if c:
+      new["last_copies"] = keep(mbp_logits[:, k:], state.last_copies)
   if with_mbp and cfg.n_mlp_mbp:
     mlp = jnp.stack([_apply(cfg, params, ByteLM.logits,
                             _apply(cfg, params, ByteLM.mlp_head, i, h_nt))
@@ -201,11 +220,21 @@ def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_m
   return state.replace(**new), out
 
 
-def _lca_cache_mask(g_BL, grp_BK, pos_BK, length_cap):
-  """LCA mask of K queries (groups grp, positions pos) against the byte cache (groups g)."""
-  idx = jnp.arange(length_cap)[None, None, :]
-  gi, gj, i = grp_BK[:, :, None], g_BL[:, None, :], pos_BK[:, :, None]
-  return (idx <= i) & ((idx == i) | (gj == gi - 1) | ((gj == gi) & (idx < i)))
+def _key_order(length_B, k_B, k: int, c: int, length_cap: int):
+  """Order index of every cache slot for a block of K bytes (k_B real) + C copies written at
+  ``length``: real slots keep their index, the K - k_B unused slots of the block are excluded
+  (order past every query), copy j (slot length+K+j) comes right after the last real byte."""
+  s = jnp.arange(length_cap)[None, :]
+  rel = s - length_B[:, None]
+  order = jnp.where((rel >= k_B[:, None]) & (rel < k), jnp.iinfo(jnp.int32).max, s)
+  return jnp.where((rel >= k) & (rel < k + c), length_B[:, None] + k_B[:, None] + rel - k, order)
+
+
+def _lca_cache_mask(g_BL, grp_BQ, ord_BQ, ord_BL):
+  """LCA mask of Q queries (groups grp, order ord) against the byte cache (groups g, order)."""
+  gi, gj = grp_BQ[:, :, None], g_BL[:, None, :]
+  i, j = ord_BQ[:, :, None], ord_BL[:, None, :]
+  return (j <= i) & ((j == i) | (gj == gi - 1) | ((gj == gi) & (j < i)))
 
 
 def mbp_copies(cfg: ModelConfig, params, state: DecodeState, n_copies: int):
@@ -219,7 +248,7 @@ def mbp_copies(cfg: ModelConfig, params, state: DecodeState, n_copies: int):
   pos = state.length[:, None] + jnp.arange(n_copies)[None, :]
   grp = jnp.broadcast_to(u[:, None], (b, n_copies))
   g = write_rows(state.g, grp, state.length)
-  mask = _lca_cache_mask(g, grp, pos, length_cap)
+  mask = _lca_cache_mask(g, grp, pos, jnp.broadcast_to(jnp.arange(length_cap), g.shape))
   h, _ = _stack(cfg, params, "mbp", m, pos, mask, state.mbp, state.length)
   return _apply(cfg, params, ByteLM.logits, h)
 

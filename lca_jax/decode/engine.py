@@ -49,6 +49,11 @@ class Plan:
     return 2 * self.max_bytes + 2
 
   @property
+  def copies_in_extend(self) -> int:
+    """Threshold mode never rolls back, so each extend also reads the next step's copies."""
+    return self.n - 2 if (self.mode == "threshold" and self.source == "lca") else 0
+
+  @property
   def width(self) -> int:  # bytes fed per step
     return 1 if self.mode == "ntp" else self.n
 
@@ -69,8 +74,10 @@ def _draft(cfg: ModelConfig, params, st, plan: Plan, key, sp, pending):
     cand = st.last_mlp[:, : plan.n - 1]
   else:
     cand = st.last_mbp[:, None]
-    if plan.n > 2:
-      cand = jnp.concatenate([cand, cache.mbp_copies(cfg, params, st, plan.n - 2)], axis=1)
+    if plan.n > 2:  # threshold mode computed the copies during the last extend
+      copies = (st.last_copies if plan.copies_in_extend else
+                cache.mbp_copies(cfg, params, st, plan.n - 2))
+      cand = jnp.concatenate([cand, copies], axis=1)
   tc, pc, lc = choose(cand, k2, sp, plan.greedy)
   return (jnp.concatenate([t1[:, None], tc], 1), jnp.concatenate([p1[:, None], pc], 1),
           jnp.concatenate([l1[:, None], lc], 1), forced)
@@ -154,7 +161,7 @@ def _step(cfgs, params, plan: Plan, tau, sp, carry):
     else:
       a = jnp.ones_like(pending)
     a, done = _finalize(plan, d, a, carry)
-    st, _ = cache.extend(cfg, p_t, st, d, a, plan.mode == "threshold")
+    st, _ = cache.extend(cfg, p_t, st, d, a, plan.mode == "threshold", plan.copies_in_extend)
     acc = jnp.maximum(a - 1, 0)
   if plan.stream:
     jax.debug.callback(_emit, d, a, ordered=True)
@@ -171,8 +178,8 @@ def _run(cfgs, plan: Plan, length: int, params, prompt_BP, plen_B, key, tau, sp)
   p_t, p_d = params
   b = prompt_BP.shape[0]
   target_mbp = plan.mode in ("threshold", "verify")
-  st = cache.init_state(cfg, p_t, b, length, target_mbp)
-  st, _ = cache.extend(cfg, p_t, st, prompt_BP, plen_B, target_mbp)
+  st = cache.init_state(cfg, p_t, b, length, target_mbp, plan.copies_in_extend)
+  st, _ = cache.extend(cfg, p_t, st, prompt_BP, plen_B, target_mbp, plan.copies_in_extend)
   carry = dict(st=st, key=key, pending=jnp.full((b,), -1, jnp.int32),
                done=jnp.zeros((b,), bool), gen=jnp.zeros((b,), jnp.int32),
                step=jnp.zeros((), jnp.int32),
@@ -304,7 +311,7 @@ def generate(model, prompts: Union[str, Sequence[Any]], mode: str = "ntp", tau: 
   plan = Plan(mode, n if mode != "ntp" else 1, temperature == 0, ignore_eos, max_bytes, source,
               stream=on_bytes is not None)
   p_len = -(-longest // pad_to) * pad_to
-  length = p_len + max_bytes + plan.width + 1
+  length = p_len + max_bytes + 2 * plan.width + 1  # room for a block + copies past the end
   prompt = np.zeros((len(enc), p_len), np.int32)
   for i, p in enumerate(enc):
     prompt[i, : p.size] = p
