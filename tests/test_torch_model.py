@@ -66,14 +66,15 @@ def test_batch_consistency(ref):
 
 
 def test_greedy_full_forward(ref):
-    """Greedy NT decoding by re-running the full forward reproduces greedy_ntp_i."""
+    """Greedy NT decoding by re-running the full forward reproduces greedy_ntp_i (first 12
+    bytes of each: the JAX engine's tests check all 32)."""
     name, model, v = ref
     for i in (0, 1):
         seq = [int(t) for t in v[f"input_{i}"][:24]]
         out = []
-        while len(out) < len(v[f"greedy_ntp_{i}"]):
+        while len(out) < 12:
             out.append(int(_run(model, seq + out)["ntp_logits"][0, -1].argmax()))
-        assert out == [int(t) for t in v[f"greedy_ntp_{i}"]]
+        assert out == [int(t) for t in v[f"greedy_ntp_{i}"][:12]]
 
 
 # ----------------------------------------------------------------------------- small models
