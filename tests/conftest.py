@@ -27,14 +27,14 @@ from lca_jax.model.config import ModelConfig  # noqa: E402  pylint: disable=g-im
 from lca_jax.model.hierarchical import init_params  # noqa: E402  pylint: disable=g-import-not-at-top
 
 # Compiles dominate the test time on CPU: keep them in a persistent XLA cache across runs
-# (keyed by the program, compile options and jax version, so never stale). LCA_JAX_TEST_XLA_CACHE=0
-# turns it off; any other value is the cache directory.
+# (keyed by the program, compile options and jax version, so never stale; a few MB). No size
+# limit on purpose: jax's LRU eviction stops writing for good once any process without it has
+# written an entry. LCA_JAX_TEST_XLA_CACHE=0 turns it off; any other value is the directory.
 _cache = os.environ.get("LCA_JAX_TEST_XLA_CACHE",
                         os.path.join(tempfile.gettempdir(), "lca_jax_test_xla_cache"))
 if _cache not in ("", "0"):
   jax.config.update("jax_compilation_cache_dir", _cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-  jax.config.update("jax_compilation_cache_max_size", 1 << 30)  # LRU, file-locked (concurrent runs)
 
 REF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "reference")
 REF_NAMES = ("lca_small", "lca_gqa", "fxt_small")
