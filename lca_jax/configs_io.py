@@ -29,6 +29,29 @@ def load_config(path: str) -> ml_collections.ConfigDict:
   return mod.get_config()
 
 
+def split_overrides(rest):
+  """Command-line overrides -> ``key=value`` strings.
+
+  ['--config.a.b=1', '--config.c', '2'] -> ['a.b=1', 'c=2']; anything else is an error.
+  """
+  out, i = [], 0
+  while i < len(rest):
+    arg = rest[i]
+    if not arg.startswith("--config."):
+      raise ConfigFileError(f"unrecognized argument {arg!r} "
+                            "(overrides look like --config.train.steps=100)")
+    key = arg[len("--config."):]
+    if "=" in key:
+      out.append(key)
+      i += 1
+    elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+      out.append(f"{key}={rest[i + 1]}")
+      i += 2
+    else:
+      raise ConfigFileError(f"override {arg!r} has no value (use --config.{key}=VALUE)")
+  return out
+
+
 def apply_overrides(config: ml_collections.ConfigDict, overrides) -> ml_collections.ConfigDict:
   """Apply ``a.b=value`` strings; an unknown key is an error naming it."""
   import ast  # pylint: disable=g-import-not-at-top

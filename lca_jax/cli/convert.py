@@ -23,25 +23,6 @@ def _fail(msg: str, code: int = 2) -> int:
   return code
 
 
-def _split_overrides(rest):
-  """['--config.a.b=1', '--config.c', '2'] -> ['a.b=1', 'c=2']; anything else is an error."""
-  out, i = [], 0
-  while i < len(rest):
-    arg = rest[i]
-    if not arg.startswith("--config."):
-      raise ValueError(f"unrecognized argument {arg!r}")
-    key = arg[len("--config."):]
-    if "=" in key:
-      out.append(key)
-      i += 1
-    elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
-      out.append(f"{key}={rest[i + 1]}")
-      i += 2
-    else:
-      raise ValueError(f"override {arg!r} has no value (use --config.{key}=VALUE)")
-  return out
-
-
 class _Parser(argparse.ArgumentParser):
   def error(self, message):  # one line, exit 2 (argparse prints usage first otherwise)
     raise SystemExit(_fail(message))
@@ -82,7 +63,7 @@ def main(argv=None) -> int:
     if args.cmd == "from-torch" and args.config:
       from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
       config = configs_io.load_config(args.config)
-      configs_io.apply_overrides(config, _split_overrides(rest))
+      configs_io.apply_overrides(config, configs_io.split_overrides(rest))
   except ValueError as e:  # ConfigFileError, ConfigError are ValueErrors
     return _fail(str(e))
 
