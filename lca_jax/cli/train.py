@@ -6,8 +6,11 @@ A work directory that already holds a checkpoint is resumed from its latest one.
 checkpoints and exits 0 (rerun the same command to continue). Problems with the config, the
 data, the work directory or the batch layout are reported in one line (exit status 2); a
 non-finite loss exits with status 1. Multi-host: jax.distributed.initialize() runs when
-``--distributed`` is given or the environment looks like a multi-process launch (SLURM with
-more than one task, or JAX_COORDINATOR_ADDRESS set).
+``--distributed`` / ``--coordinator`` is given or the environment looks like a multi-process
+launch (SLURM with more than one task, JAX_COORDINATOR_ADDRESS or JAX_NUM_PROCESSES > 1 set);
+see lca_jax/train/distributed.py and launch/. A process of a multi-process run that dies makes
+the others exit (status 134, "Terminating process because the JAX distributed service detected
+fatal errors") within --heartbeat-timeout seconds; --watchdog ends a stuck one (status 3).
 """
 from __future__ import annotations
 
@@ -35,19 +38,25 @@ def _split_overrides(rest):
   return out
 
 
-def _want_distributed(flag: bool) -> bool:
-  if flag:
-    return True
-  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-    return True
-  try:
-    return int(os.environ.get("SLURM_NTASKS", "1")) > 1
-  except ValueError:
-    return False
+def _want_distributed(flag: bool, coordinator: str = "") -> bool:
+  from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
+  return distributed.wanted(os.environ, flag=flag, coordinator=coordinator)
 
 
 def _fail(msg: str, code: int = 2) -> int:
   print(f"lca-train: error: {msg}", file=sys.stderr, flush=True)
+  return code
+
+
+def _fail_multi(multi: bool, msg: str, code: int = 2) -> int:
+  """``_fail``; in a multi-process run the process then leaves at once if the others do not
+  shut down with it within a few seconds (an error seen by only some processes would
+  otherwise hold them in jax's shutdown barrier while the rest wait in a collective)."""
+  if msg:
+    _fail(msg, code)
+  if multi:
+    from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
+    distributed.exit_now(code)
   return code
 
 
@@ -57,8 +66,25 @@ def main(argv=None) -> int:
       epilog="Config overrides: --config.SECTION.KEY=VALUE (e.g. --config.train.steps=600).")
   parser.add_argument("--config", required=True, help="config file, e.g. configs/lca_mbp.py")
   parser.add_argument("--workdir", required=True, help="checkpoints, metrics and logs go here")
-  parser.add_argument("--distributed", action="store_true",
-                      help="call jax.distributed.initialize() (multi-host)")
+  dist = parser.add_argument_group(
+      "multi-process", "values default to JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+      "JAX_PROCESS_ID, JAX_LOCAL_DEVICE_IDS, then SLURM (see launch/)")
+  dist.add_argument("--distributed", action="store_true",
+                    help="call jax.distributed.initialize() (multi-host)")
+  dist.add_argument("--coordinator", default="", metavar="HOST:PORT",
+                    help="address of process 0's coordination service")
+  dist.add_argument("--num-processes", type=int, default=None, metavar="N")
+  dist.add_argument("--process-id", type=int, default=None, metavar="I")
+  dist.add_argument("--local-device-ids", default=None, metavar="0,1,...",
+                    help="devices of this host this process uses (default: all it sees)")
+  dist.add_argument("--heartbeat-timeout", type=int, default=None, metavar="S",
+                    help="a process silent this long is dead and the others exit "
+                    "(default LCA_HEARTBEAT_TIMEOUT or 60)")
+  dist.add_argument("--init-timeout", type=int, default=None, metavar="S",
+                    help="wait this long for every process to connect (default 300)")
+  parser.add_argument("--watchdog", type=float, default=None, metavar="S",
+                      help="exit (status 3) when no step / eval / checkpoint completes for S "
+                      "seconds after the first step (default LCA_WATCHDOG or 0 = off)")
   args, rest = parser.parse_known_args(argv)
 
   from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
@@ -70,24 +96,36 @@ def main(argv=None) -> int:
   except (ValueError, configs_io.ConfigFileError, ConfigError) as e:
     return _fail(str(e))
 
-  import jax  # pylint: disable=g-import-not-at-top
   from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top
   from lca_jax.data.sources import DataError  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import checkpoint, loop, sharding  # pylint: disable=g-import-not-at-top
-
-  if _want_distributed(args.distributed):
-    jax.distributed.initialize()
+  from lca_jax.train import checkpoint, distributed, loop, sharding  # pylint: disable=g-import-not-at-top
 
   try:
-    result = loop.train_and_evaluate(config, args.workdir)
+    watchdog = float(args.watchdog if args.watchdog is not None
+                     else os.environ.get("LCA_WATCHDOG", "0") or 0)
+  except ValueError:
+    return _fail(f"LCA_WATCHDOG must be a number of seconds, got {os.environ['LCA_WATCHDOG']!r}")
+  multi = _want_distributed(args.distributed, args.coordinator)
+  if multi:
+    try:
+      dcfg = distributed.resolve(args.coordinator or None, args.num_processes, args.process_id,
+                                 args.local_device_ids, args.heartbeat_timeout,
+                                 args.init_timeout)
+      distributed.initialize(dcfg)
+    except distributed.DistributedError as e:
+      return _fail(str(e))
+    print(f"lca-train: joined: {distributed.local_process_info()}", file=sys.stderr, flush=True)
+
+  try:
+    result = loop.train_and_evaluate(config, args.workdir, watchdog=watchdog)
   except loop.NonFiniteLossError as e:
-    return _fail(str(e), 1)
+    return _fail_multi(multi, str(e), 1)
   except (ConfigError, DataError, loop.TrainError, checkpoint.ConfigMismatchError,
-          sharding.MeshError, LoadError) as e:
-    return _fail(str(e))
+          checkpoint.CorruptCheckpointError, sharding.MeshError, LoadError) as e:
+    return _fail_multi(multi, str(e))
   except KeyboardInterrupt:
     print("lca-train: interrupted", file=sys.stderr)
-    return 130
+    return _fail_multi(multi, "", 130)
   msg = f"lca-train: done at step {result.step}"
   if result.stopped:
     msg = f"lca-train: stopped at step {result.step} (checkpoint saved; rerun to resume)"

@@ -12,11 +12,26 @@ Layout of WORKDIR:
 copied to host before ``save`` returns, so the next, donating train step is safe); the data
 iterator state is captured at save time. Restores take their target shardings from the
 abstract state of the *current* mesh, so a run can resume on a different device layout.
+
+Fault tolerance:
+  * orbax writes each step into ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>``
+    only once every process has written its shards (commit). A save interrupted by a crash
+    leaves only the tmp directory, which is never listed as a step (so never restored) and is
+    deleted when the next run opens the directory.
+  * Once a step is committed, process 0 writes ``<step>/lca_manifest.json`` (every file of
+    the step and its size). ``restore_latest`` checks it before restoring: a step with a missing
+    or truncated file, or one that fails to restore, is moved to ``WORKDIR/corrupt_checkpoints/``
+    with a ``CorruptCheckpointWarning`` naming it, and the previous step is restored instead.
+    (In a multi-process run the manifest check is agreed by all processes; a failure inside
+    orbax's restore on only some processes cannot be recovered from safely, so it is an error
+    naming the step to move away.)
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -38,8 +53,23 @@ RESUME_MUTABLE = (
 )
 
 
+MANIFEST = "lca_manifest.json"
+CORRUPT_DIR = "corrupt_checkpoints"
+# Files orbax may still rewrite after the commit; not part of the manifest.
+_UNSEALED = frozenset({MANIFEST, MANIFEST + ".tmp", "_CHECKPOINT_METADATA"})
+
+
 class ConfigMismatchError(ValueError):
   """The run config differs from the one that wrote the checkpoint being resumed."""
+
+
+class CorruptCheckpointError(RuntimeError):
+  """No checkpoint of the work directory can be restored (or one cannot, in a multi-process
+  run, where falling back is not safe)."""
+
+
+class CorruptCheckpointWarning(UserWarning):
+  """A checkpoint step was unreadable and set aside; an earlier one is used."""
 
 
 class _IteratorSnapshot:
@@ -156,10 +186,17 @@ class Checkpointer:
                read_only: bool = False):
     # read_only: open an existing directory for restoring (no directory is created; orbax's
     # own read_only flag is not used because it logs warnings on every open).
+    # cleanup_tmp_directories: saves interrupted by a crash leave <step>.orbax-checkpoint-tmp-*
+    # directories (never restored); they are removed when a run opens the directory again.
     opts = ocp.CheckpointManagerOptions(
         max_to_keep=max(1, int(keep)) if keep else None, create=not read_only,
-        enable_async_checkpointing=async_save and not read_only)
+        enable_async_checkpointing=async_save and not read_only,
+        cleanup_tmp_directories=not read_only)
+    self.workdir = os.path.abspath(workdir)
     self.directory = checkpoint_dir(workdir)
+    self.read_only = read_only
+    self.async_save = bool(async_save and not read_only)
+    self._unsealed: list = []  # steps saved whose manifest is not written yet
     self.manager = ocp.CheckpointManager(self.directory, options=opts,
                                          item_handlers=_handlers(with_data=True))
 
@@ -179,6 +216,17 @@ class Checkpointer:
     if data_state is not None:
       items["data"] = _grain_save(data_state)
     self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    # manager.save waited for the previous save's commit: those steps are final now (and this
+    # one too when saving synchronously).
+    self._seal()
+    self._unsealed.append(step)
+    if not self.async_save:
+      self._seal()
+
+  def _seal(self) -> None:
+    for step in self._unsealed:
+      write_manifest(os.path.join(self.directory, str(step)), step)
+    self._unsealed = []
 
   def restore(self, step: int, abstract_state, data_iterator=None):
     """The TrainState at ``step``, laid out as ``abstract_state``'s shardings; restores the data
@@ -195,10 +243,134 @@ class Checkpointer:
 
   def wait(self):
     self.manager.wait_until_finished()
+    self._seal()
 
   def close(self):
     self.manager.wait_until_finished()
+    self._seal()
     self.manager.close()
+
+  # ---- fault tolerance ----
+  def set_aside(self, step: int) -> Optional[str]:
+    """Move step ``step`` out of the checkpoint directory (into WORKDIR/corrupt_checkpoints/)
+    on process 0, then reload the step list on every process. Returns the new path."""
+    dest = None
+    if jax.process_index() == 0:
+      dest = set_aside(self.workdir, step)
+    from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
+    distributed.barrier(f"lca_set_aside_{step}")
+    self.manager.reload()
+    return dest
+
+  def restore_latest(self, abstract_state, data_iterator=None):
+    """(state, step) from the newest checkpoint that verifies and restores; (None, None) when
+    there is none. Unreadable steps are set aside with a ``CorruptCheckpointWarning`` naming
+    them. Raises ``CorruptCheckpointError`` when checkpoints exist but none is readable."""
+    from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
+    multi = jax.process_count() > 1
+    bad = []
+    while True:
+      steps = sorted(self.all_steps(), reverse=True)
+      if not steps:
+        if bad:
+          raise CorruptCheckpointError(
+              f"no readable checkpoint in {self.directory}: " +
+              "; ".join(f"step {s}: {r}" for s, r in bad) +
+              f" (set aside in {os.path.join(self.workdir, CORRUPT_DIR)})")
+        return None, None
+      step = steps[0]
+      prev = steps[1] if len(steps) > 1 else None
+      reason = verify_step(os.path.join(self.directory, str(step)))
+      if not distributed.all_agree(reason is None):
+        reason = reason or "unreadable on another process"
+      if reason is None:
+        try:
+          return self.restore(step, abstract_state, data_iterator), step
+        except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
+          reason = _short(e)
+          if multi:
+            raise CorruptCheckpointError(
+                f"checkpoint step {step} in {self.directory} cannot be restored on process "
+                f"{jax.process_index()} ({reason}). Move it out of the way (e.g. into "
+                f"{os.path.join(self.workdir, CORRUPT_DIR)}/) and rerun to resume from "
+                f"{'step ' + str(prev) if prev is not None else 'scratch'}.") from None
+      then = f"falling back to step {prev}" if prev is not None else "no earlier checkpoint"
+      warnings.warn(f"checkpoint step {step} in {self.directory} is corrupt ({reason}); {then}",
+                    CorruptCheckpointWarning, stacklevel=2)
+      bad.append((step, reason))
+      self.set_aside(step)
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+  msg = " ".join(str(e).split()) or type(e).__name__
+  return msg if len(msg) <= limit else msg[:limit] + "..."
+
+
+# ---- manifests -----------------------------------------------------------------------------
+def _files(step_dir: str) -> dict:
+  out = {}
+  for root, _, names in os.walk(step_dir):
+    for name in names:
+      path = os.path.join(root, name)
+      rel = os.path.relpath(path, step_dir)
+      if rel in _UNSEALED:
+        continue
+      out[rel] = os.path.getsize(path)
+  return out
+
+
+def write_manifest(step_dir: str, step: int) -> None:
+  """Record every file of the committed step ``step_dir`` and its size (process 0 only)."""
+  if jax.process_index() != 0 or not os.path.isdir(step_dir):
+    return  # deleted by max_to_keep meanwhile
+  files = _files(step_dir)
+  tmp = os.path.join(step_dir, MANIFEST + ".tmp")
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump({"step": int(step), "files": files}, f, indent=0, sort_keys=True)
+  os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def verify_step(step_dir: str) -> Optional[str]:
+  """None when every file of the step's manifest is present with its recorded size (or the
+  step has no manifest: written by an older version, or the run died before sealing it);
+  else what is wrong."""
+  path = os.path.join(step_dir, MANIFEST)
+  if not os.path.isfile(path):
+    return None if os.path.isdir(step_dir) else "missing"
+  try:
+    with open(path, encoding="utf-8") as f:
+      files = json.load(f)["files"]
+  except (OSError, ValueError, KeyError) as e:
+    return f"unreadable {MANIFEST}: {_short(e)}"
+  problems = []
+  for rel, size in sorted(files.items()):
+    full = os.path.join(step_dir, rel)
+    if not os.path.isfile(full):
+      problems.append(f"{rel} missing")
+    elif os.path.getsize(full) != size:
+      problems.append(f"{rel} has {os.path.getsize(full)} of {size} bytes")
+  if not problems:
+    return None
+  more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+  return "; ".join(problems[:3]) + more
+
+
+def set_aside(workdir: str, step: int) -> Optional[str]:
+  """Move ``checkpoints/<step>`` to ``corrupt_checkpoints/<step>[.N]``; the new path."""
+  src = os.path.join(checkpoint_dir(workdir), str(step))
+  if not os.path.isdir(src):
+    return None
+  root = os.path.join(os.path.abspath(workdir), CORRUPT_DIR)
+  os.makedirs(root, exist_ok=True)
+  dest, n = os.path.join(root, str(step)), 0
+  while os.path.exists(dest):
+    n += 1
+    dest = os.path.join(root, f"{step}.{n}")
+  try:
+    os.replace(src, dest)
+  except OSError:
+    shutil.move(src, dest)
+  return dest
 
 
 def restore_params(workdir: str, abstract_params, step: Optional[int] = None):
@@ -210,16 +382,35 @@ def restore_params(workdir: str, abstract_params, step: Optional[int] = None):
   opts = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
   with ocp.CheckpointManager(directory, options=opts,
                              item_handlers={"params": ocp.StandardCheckpointHandler()}) as mngr:
-    if step is None:
-      step = mngr.latest_step()
-    if step is None:
+    restore = lambda s: mngr.restore(s, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract_params)))["params"]
+    if step is not None:
+      if step not in mngr.all_steps():
+        raise FileNotFoundError(f"{workdir}: no checkpoint for step {step} "
+                                f"(have {sorted(mngr.all_steps())})")
+      reason = verify_step(os.path.join(directory, str(step)))
+      if reason is not None:
+        raise CorruptCheckpointError(f"{workdir}: checkpoint step {step} is corrupt ({reason})")
+      return restore(step)
+    steps = sorted(mngr.all_steps(), reverse=True)
+    if not steps:
       raise FileNotFoundError(f"{workdir}: no checkpoint yet")
-    if step not in mngr.all_steps():
-      raise FileNotFoundError(f"{workdir}: no checkpoint for step {step} "
-                              f"(have {sorted(mngr.all_steps())})")
-    out = mngr.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract_params)))
-    return out["params"]
+    bad = []
+    for i, s in enumerate(steps):
+      # The latest readable step; a corrupt one is skipped with a warning (left in place:
+      # the training run that resumes this directory sets it aside).
+      reason = verify_step(os.path.join(directory, str(s)))
+      if reason is None:
+        try:
+          return restore(s)
+        except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
+          reason = _short(e)
+      bad.append((s, reason))
+      nxt = f"using step {steps[i + 1]}" if i + 1 < len(steps) else "no earlier checkpoint"
+      warnings.warn(f"checkpoint step {s} in {directory} is corrupt ({reason}); {nxt}",
+                    CorruptCheckpointWarning, stacklevel=2)
+    raise CorruptCheckpointError(f"no readable checkpoint in {directory}: " +
+                                 "; ".join(f"step {s}: {r}" for s, r in bad))
 
 
 # ---- inference ----------------------------------------------------------------------------
@@ -249,6 +440,6 @@ def load_for_inference(path: str, step: Optional[int] = None):
   abstract = abstract_params(cfg, jax.numpy.float32, dev)
   try:
     params = restore_params(path, abstract, step)
-  except FileNotFoundError as e:
+  except (FileNotFoundError, CorruptCheckpointError) as e:
     raise LoadError(str(e)) from None
   return cfg, params

@@ -199,15 +199,19 @@ def check_data_files(config) -> None:
 
 
 def prepare_workdir(workdir: str) -> str:
+  """The absolute workdir, created; a ``TrainError`` when it (or its checkpoints folder) cannot
+  be written, checked on every process before anything is compiled."""
   workdir = os.path.abspath(os.path.expanduser(workdir))
-  try:
-    os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f".write_test_{os.getpid()}")
-    with open(probe, "w") as f:
-      f.write("ok")
-    os.remove(probe)
-  except OSError as e:
-    raise TrainError(f"cannot write to workdir {workdir}: {e.strerror or e}") from None
+  for d in (workdir, os.path.join(workdir, ckpt_lib.CKPT_DIR)):
+    try:
+      os.makedirs(d, exist_ok=True)
+      probe = os.path.join(d, f".write_test_{os.uname().nodename}_{os.getpid()}")
+      with open(probe, "w") as f:
+        f.write("ok")
+      os.remove(probe)
+    except OSError as e:
+      raise TrainError(f"cannot write to {'workdir' if d == workdir else 'checkpoint folder'} "
+                       f"{d}: {e.strerror or e}") from None
   return workdir
 
 
@@ -306,7 +310,7 @@ def load_init_params(setup: Setup, source: str):
                        f"({'; '.join(bad[:6])})")
     try:
       return ckpt_lib.restore_params(source, want)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ckpt_lib.CorruptCheckpointError) as e:
       raise TrainError(f"train.init_from: {e}") from None
   import lca_jax  # pylint: disable=g-import-not-at-top
   try:
@@ -350,7 +354,11 @@ class _Stop:
     if jax.process_count() == 1:
       return self.flag
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    return bool(np.any(multihost_utils.process_allgather(np.array([self.flag]))))
+    flags = np.asarray(multihost_utils.process_allgather(np.array([self.flag]))).reshape(-1)
+    if flags.any() and not self.flag:
+      who = ", ".join(str(i) for i in np.flatnonzero(flags))
+      self.set(f"stop signal on process {who}")
+    return bool(flags.any())
 
 
 _ACTIVE: list = []
@@ -393,10 +401,13 @@ def evaluate(setup: Setup, params, config=None) -> Optional[dict]:
 
 # ---- the loop ------------------------------------------------------------------------------
 def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]] = None,
-                       on_step: Optional[Callable[[int, dict], Any]] = None) -> TrainResult:
+                       on_step: Optional[Callable[[int, dict], Any]] = None,
+                       watchdog: float = 0.0) -> TrainResult:
   """Train ``config`` (an ml_collections ConfigDict) in ``workdir``; resume if it has a
   checkpoint. ``devices``: the devices of the mesh (default all). ``on_step(step, batch)`` is
-  called with each host batch before it is trained on (step counts from 0)."""
+  called with each host batch before it is trained on (step counts from 0). ``watchdog`` > 0:
+  end the process (exit status 3) when no step, eval or checkpoint completes for that many
+  seconds after the first step (a stuck process or collective; ``distributed.Watchdog``)."""
   cfg_dict = config.to_dict()
   model_cfg = model_config_of(config)
   workdir = prepare_workdir(workdir)
@@ -414,7 +425,13 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
   progress = None
   stop = _Stop()
   pipeline = None
+  from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
+  dog = distributed.Watchdog(float(watchdog or 0))
   try:
+    # From here on SIGTERM (preemption, scancel, the launchers) stops at the end of the first
+    # step that completes and checkpoints it.
+    stop.install()
+    _ACTIVE.append(stop)
     latest = ckpt.latest_step()
     if latest is not None:
       ckpt_lib.check_resume_config(workdir, cfg_dict)
@@ -422,8 +439,9 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
     pipeline = make_train_pipeline(config, plan)
 
     with shd.mesh_context(mesh):
+      state, latest = (ckpt.restore_latest(setup.abstract, pipeline) if latest is not None
+                       else (None, None))
       if latest is not None:
-        state = ckpt.restore(latest, setup.abstract, pipeline)
         origin = f"resumed from step {latest}"
       elif str(config.train.init_from or ""):
         params = load_init_params(setup, str(config.train.init_from))
@@ -447,8 +465,6 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
         f"{dict(mesh.shape)}, {plan.rows} rows x {plan.seq_len} bytes per step "
         f"({plan.accum} x {plan.micro}-row micro-batches), steps {start}->{total} ({origin})")
 
-    stop.install()
-    _ACTIVE.append(stop)
     last_train, last_eval = {}, {}
     window: list = []
     t_mark, n_mark = time.perf_counter(), start
@@ -515,12 +531,18 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
             last_eval = dict(res, step=n)
             progress.write(f"eval @ {n}: bpb_ntp {res['bpb_ntp']:.4f}" +
                            (f", bpb_mbp {res['bpb_mbp']:.4f}" if "bpb_mbp" in res else ""))
+          dog.beat(f"eval @ {n}")
           reset_clock(n)
         if do_ckpt and last_saved != n:
           ckpt.save(state, pipeline.get_state(),
                     meta={"model": model_cfg.to_dict(), "bytes_seen": n * plan.bytes_per_step})
           last_saved = n
+          dog.beat(f"checkpoint {n}")
           reset_clock(n)
+        if step == start:
+          dog.arm(f"step {n}")  # compiling the first step is not counted
+        else:
+          dog.beat(f"step {n}")
         if stopping:
           progress.write(f"lca-train: stopping at step {n} ({stop.reason}); checkpoint saved, "
                          "run the same command to resume")
@@ -531,6 +553,7 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
     return TrainResult(step=final, stopped=stop.flag and final < total, state=state,
                        last_train=last_train, last_eval=last_eval, workdir=workdir)
   finally:
+    dog.close()
     stop.uninstall()
     if stop in _ACTIVE:
       _ACTIVE.remove(stop)

@@ -1,0 +1,249 @@
+"""Fault tolerance with real processes: a save killed before its commit is never restored, a
+corrupt latest checkpoint falls back to the previous one with a warning naming it, a killed peer
+makes the survivor exit within the heartbeat bound, errors of multi-process runs are one line,
+the hang watchdog. The child driver and helpers live in tests/test_multihost.py."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import glob  # noqa: E402
+import importlib.util  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+_spec = importlib.util.spec_from_file_location(
+    "_lca_multihost_helpers", os.path.join(ROOT, "tests", "test_multihost.py"))
+mh = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mh)
+
+import lca_jax  # noqa: E402
+from lca_jax import configs_io  # noqa: E402
+from lca_jax.cli import train as cli  # noqa: E402
+from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
+from lca_jax.train import loop  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+STEPS = 6  # checkpoints at 2, 4, 6 (train.checkpoint_every=2, keep 3)
+MULTI = os.path.join(ROOT, "launch", "multiprocess.sh")
+
+
+def tiny_config(*overrides):
+  c = configs_io.load_config(mh.CONFIG)
+  return configs_io.apply_overrides(c, mh.TINY + list(overrides))
+
+
+def host_params(state):
+  return jax.tree_util.tree_map(np.asarray, jax.device_get(state.params))
+
+
+def assert_trees_equal(a, b):
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, fast_compile):
+  """STEPS steps in one run, checkpoints 2, 4, 6 (8 devices, this process)."""
+  del fast_compile
+  wd = str(tmp_path_factory.mktemp("straight"))
+  res = loop.train_and_evaluate(tiny_config(f"train.steps={STEPS}"), wd)
+  assert ckpt_lib.Checkpointer(wd, read_only=True).all_steps() == [2, 4, 6]
+  return dict(workdir=wd, params=host_params(res.state))
+
+
+def _copy(straight, tmp_path):
+  wd = str(tmp_path / "wd")
+  shutil.copytree(straight["workdir"], wd)
+  return wd
+
+
+def _resume_and_compare(wd, straight, warn_match=None):
+  """Resume ``wd`` to STEPS in this process; the result must equal the straight run."""
+  cfg = tiny_config(f"train.steps={STEPS}")
+  if warn_match:
+    with pytest.warns(ckpt_lib.CorruptCheckpointWarning, match=warn_match):
+      res = loop.train_and_evaluate(cfg, wd)
+  else:
+    res = loop.train_and_evaluate(cfg, wd)
+  assert res.step == STEPS and not res.stopped
+  assert_trees_equal(host_params(res.state), straight["params"])
+  assert [m["step"] for m in mh.metrics(wd)] == list(range(1, STEPS + 1))
+  return res
+
+
+# ---- a save interrupted before its commit -------------------------------------------------
+def test_killed_mid_save_is_never_restored(tmp_path, straight):
+  """A real process is SIGKILLed while checkpoint 4 is written (all its files are in the tmp
+  directory, commit_success.txt included, only the rename is missing): step 2 is restored and
+  the resumed run equals the uninterrupted one; the tmp directory is cleaned up."""
+  wd = tmp_path / "wd"
+  marker = tmp_path / "saving_4"
+  env = mh.child_env(8, {"hang_rename_step": 4, "hang_marker": str(marker)})
+  p = mh.Proc(["bash", os.path.join(ROOT, "launch", "single_host.sh")] +
+              mh.train_args(wd, f"train.steps={STEPS}"), env, tmp_path / "child.log")
+  deadline = time.time() + 400
+  while not marker.exists():
+    if p.p.poll() is not None or time.time() > deadline:
+      p.kill()
+      pytest.fail(f"the child never reached the commit of step 4:\n{p.output()[-3000:]}")
+    time.sleep(0.2)
+  p.kill()  # SIGKILL mid-save
+  assert p.p.returncode == -9
+  ckdir = wd / "checkpoints"
+  tmp_dirs = glob.glob(str(ckdir / "4.orbax-checkpoint-tmp*"))
+  assert len(tmp_dirs) == 1 and os.path.isfile(os.path.join(tmp_dirs[0], "commit_success.txt"))
+  assert os.path.isdir(os.path.join(tmp_dirs[0], "params"))
+  assert ckpt_lib.Checkpointer(str(wd), read_only=True).all_steps() == [2]
+  assert ckpt_lib.verify_step(str(ckdir / "2")) is None
+  assert os.path.isfile(ckdir / "2" / ckpt_lib.MANIFEST)  # sealed when step 4 was saved
+  _resume_and_compare(str(wd), straight)
+  assert not glob.glob(str(ckdir / "*orbax-checkpoint-tmp*"))  # cleaned up
+  assert ckpt_lib.Checkpointer(str(wd), read_only=True).all_steps() == [2, 4, 6]
+
+
+# ---- corrupt checkpoints ------------------------------------------------------------------
+def _params_files(step_dir):
+  return sorted(f for f in glob.glob(os.path.join(step_dir, "params", "**", "*"), recursive=True)
+                if os.path.isfile(f) and f"{os.sep}d{os.sep}" in f)
+
+
+def test_corrupt_latest_falls_back_with_warning(tmp_path, straight):
+  """A deleted and a truncated array file of step 6 (found by the manifest): step 6 is set
+  aside with a warning naming it, step 4 restored, and the resumed run equals the straight one."""
+  wd = _copy(straight, tmp_path)
+  six = os.path.join(wd, "checkpoints", "6")
+  files = _params_files(six)
+  assert len(files) >= 2
+  os.remove(files[0])
+  with open(files[1], "r+b") as f:
+    f.truncate(os.path.getsize(files[1]) // 2)
+  assert "missing" in ckpt_lib.verify_step(six)
+  # Inference skips it too (and leaves it in place).
+  with pytest.warns(ckpt_lib.CorruptCheckpointWarning, match="step 6 .* corrupt .*using step 4"):
+    model = lca_jax.load(wd)
+  assert model.cfg.d_model == 32
+  _resume_and_compare(wd, straight,
+                      warn_match=r"checkpoint step 6 in .* is corrupt \(params/.* missing; "
+                      r"params/.* has \d+ of \d+ bytes\); falling back to step 4")
+  assert os.path.isdir(os.path.join(wd, ckpt_lib.CORRUPT_DIR, "6"))
+  assert ckpt_lib.Checkpointer(wd, read_only=True).all_steps() == [2, 4, 6]
+
+
+# orbax leaves an asyncio callback behind when a restore fails ("Event loop is closed").
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_corrupt_latest_without_manifest_falls_back(tmp_path, straight):
+  """No manifest (a run killed before sealing it, or an older checkpoint): the failing restore
+  itself sends the run back to step 4."""
+  wd = _copy(straight, tmp_path)
+  six = os.path.join(wd, "checkpoints", "6")
+  os.remove(os.path.join(six, ckpt_lib.MANIFEST))
+  os.remove(os.path.join(six, "params", "manifest.ocdbt"))
+  _resume_and_compare(wd, straight, warn_match="checkpoint step 6 in .* is corrupt .*; "
+                      "falling back to step 4")
+
+
+def test_no_readable_checkpoint_is_one_line_error(tmp_path, straight, capsys):
+  wd = _copy(straight, tmp_path)
+  for step in (2, 4, 6):
+    os.remove(_params_files(os.path.join(wd, "checkpoints", str(step)))[0])
+  with pytest.warns(ckpt_lib.CorruptCheckpointWarning):
+    code = cli.main(["--config", mh.CONFIG, "--workdir", wd] +
+                    [f"--config.{o}" for o in mh.TINY + [f"train.steps={STEPS}"]])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and "no readable checkpoint" in err[-1] and "step 6:" in err[-1], err
+  assert "Traceback" not in "\n".join(err)
+
+
+def test_unwritable_checkpoint_folder(tmp_path, capsys):
+  (tmp_path / "checkpoints").write_text("not a folder")
+  code = cli.main(["--config", mh.CONFIG, "--workdir", str(tmp_path)] +
+                  [f"--config.{o}" for o in mh.TINY])
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and "cannot write to checkpoint folder" in err and len(err.splitlines()) == 1
+
+
+# ---- multi-process failures ---------------------------------------------------------------
+HEARTBEAT = 5
+
+
+def test_killed_peer_makes_survivor_exit(tmp_path):
+  """Process 1 is SIGKILLed during step index 1; process 0, waiting for it in the step's
+  collectives, must exit non-zero within the heartbeat timeout (+ slack), not hang."""
+  wd = tmp_path / "wd"
+  stamp = tmp_path / "killed_at"
+  port = mh.free_port()
+  env = mh.child_env(2, {"actions": [{"step": 1, "process": 1, "do": "sigkill_self",
+                                      "stamp": str(stamp)}]})
+  procs = [mh.Proc(["bash", MULTI, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                    "--process-id", str(i), "--heartbeat-timeout", str(HEARTBEAT), "--"] +
+                   mh.train_args(wd, "train.steps=4", *mh.MESH4), env, tmp_path / f"p{i}.log")
+           for i in (0, 1)]
+  rc1 = procs[1].wait()
+  rc0 = procs[0].wait(timeout=HEARTBEAT + 120)
+  ended = time.time()
+  out0 = mh.clean_log(procs[0].output())
+  assert rc1 == -9, procs[1].output()[-2000:]
+  assert stamp.exists(), out0[-3000:]
+  elapsed = ended - float(stamp.read_text())
+  print(f"survivor exited {elapsed:.1f}s after its peer was killed (heartbeat {HEARTBEAT}s), "
+        f"status {rc0}")
+  assert rc0 != 0, out0[-3000:]
+  assert "JAX distributed service detected fatal errors" in out0, out0[-3000:]
+  assert elapsed < HEARTBEAT + 25, (elapsed, out0[-3000:])
+  # Nothing was committed past the last complete checkpoint (none yet): nothing to restore.
+  assert ckpt_lib.Checkpointer(str(wd), read_only=True).all_steps() == []
+
+
+def test_multiprocess_config_error_is_one_line(tmp_path):
+  """Every process sees the bad batch layout, says so in one line and exits 2 (together)."""
+  port = mh.free_port()
+  env = mh.child_env(2, LCA_TRAIN=f"{sys.executable} -m lca_jax.cli.train")
+  procs = [mh.Proc(["bash", MULTI, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                    "--process-id", str(i), "--heartbeat-timeout", "10", "--"] +
+                   mh.train_args(tmp_path / "wd", "train.micro_batch_size=2",
+                                 "train.global_batch_bytes=64"), env, tmp_path / f"p{i}.log")
+           for i in (0, 1)]
+  for i, p in enumerate(procs):
+    rc = p.wait(timeout=200)
+    errs = [l for l in p.output().splitlines() if l.startswith("lca-train: error:")]
+    assert rc == 2, p.output()[-2000:]
+    assert len(errs) == 1 and "cannot be divided over the 4 batch shards" in errs[0], errs
+    assert "Traceback" not in p.output()
+
+
+def test_unreachable_coordinator_is_one_line_error(tmp_path):
+  env = mh.child_env(2)
+  t0 = time.time()
+  res = subprocess.run([sys.executable, "-m", "lca_jax.cli.train", "--coordinator",
+                        f"127.0.0.1:{mh.free_port()}", "--num-processes", "2", "--process-id", "1",
+                        "--init-timeout", "3"] + mh.train_args(tmp_path / "wd"),
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
+  errs = [l for l in res.stderr.splitlines() if l.startswith("lca-train: error:")]
+  assert res.returncode == 2, res.stderr[-2000:]
+  assert len(errs) == 1 and "could not reach the coordinator 127.0.0.1:" in errs[0], errs
+  assert "within 3s" in errs[0] and "Traceback" not in res.stderr
+  assert time.time() - t0 < 120
+
+
+def test_watchdog_ends_a_stuck_process():
+  code = ("import time\nfrom lca_jax.train.distributed import Watchdog\n"
+          "w = Watchdog(1.0)\nw.arm('step 7')\ntime.sleep(60)\n")
+  t0 = time.time()
+  res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert res.returncode == 3, res.stderr
+  assert "no progress for" in res.stderr and "last: step 7" in res.stderr
+  assert time.time() - t0 < 20
