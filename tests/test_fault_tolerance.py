@@ -179,30 +179,33 @@ def test_unwritable_checkpoint_folder(tmp_path, capsys):
 HEARTBEAT = 5
 
 
-def test_killed_peer_makes_survivor_exit(tmp_path):
-  """Process 1 is SIGKILLed during step index 1; process 0, waiting for it in the step's
-  collectives, must exit non-zero within the heartbeat timeout (+ slack), not hang."""
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker_dies", "coordinator_dies"])
+def test_killed_peer_makes_survivor_exit(tmp_path, victim):
+  """One process is SIGKILLed during step index 1; the other, waiting for it in the step's
+  collectives, must exit non-zero within the heartbeat timeout (+ slack), not hang. (When the
+  dead one is process 0, which hosts the coordination service, the survivor notices at once.)"""
   wd = tmp_path / "wd"
   stamp = tmp_path / "killed_at"
   port = mh.free_port()
-  env = mh.child_env(2, {"actions": [{"step": 1, "process": 1, "do": "sigkill_self",
+  survivor = 1 - victim
+  env = mh.child_env(2, {"actions": [{"step": 1, "process": victim, "do": "sigkill_self",
                                       "stamp": str(stamp)}]})
   procs = [mh.Proc(["bash", MULTI, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
                     "--process-id", str(i), "--heartbeat-timeout", str(HEARTBEAT), "--"] +
                    mh.train_args(wd, "train.steps=4", *mh.MESH4), env, tmp_path / f"p{i}.log")
            for i in (0, 1)]
-  rc1 = procs[1].wait()
-  rc0 = procs[0].wait(timeout=HEARTBEAT + 120)
+  rc_victim = procs[victim].wait()
+  rc = procs[survivor].wait(timeout=HEARTBEAT + 120)
   ended = time.time()
-  out0 = mh.clean_log(procs[0].output())
-  assert rc1 == -9, procs[1].output()[-2000:]
-  assert stamp.exists(), out0[-3000:]
+  out = mh.clean_log(procs[survivor].output())
+  assert rc_victim == -9, procs[victim].output()[-2000:]
+  assert stamp.exists(), out[-3000:]
   elapsed = ended - float(stamp.read_text())
-  print(f"survivor exited {elapsed:.1f}s after its peer was killed (heartbeat {HEARTBEAT}s), "
-        f"status {rc0}")
-  assert rc0 != 0, out0[-3000:]
-  assert "JAX distributed service detected fatal errors" in out0, out0[-3000:]
-  assert elapsed < HEARTBEAT + 25, (elapsed, out0[-3000:])
+  print(f"process {survivor} exited {elapsed:.1f}s after process {victim} was killed "
+        f"(heartbeat {HEARTBEAT}s), status {rc}")
+  assert rc != 0, out[-3000:]
+  assert "JAX distributed service detected fatal errors" in out, out[-3000:]
+  assert elapsed < HEARTBEAT + 25, (elapsed, out[-3000:])
   # Nothing was committed past the last complete checkpoint (none yet): nothing to restore.
   assert ckpt_lib.Checkpointer(str(wd), read_only=True).all_steps() == []
 
@@ -236,6 +239,21 @@ def test_unreachable_coordinator_is_one_line_error(tmp_path):
   assert len(errs) == 1 and "could not reach the coordinator 127.0.0.1:" in errs[0], errs
   assert "within 3s" in errs[0] and "Traceback" not in res.stderr
   assert time.time() - t0 < 120
+
+
+def test_watchdog_ends_a_stuck_training_process(tmp_path):
+  """lca-train --watchdog: a process stuck after its first step (here: in Python, before step
+  index 2; the first checkpoint, at 2, is not timed) exits with status 3 and says where it
+  was."""
+  env = mh.child_env(8, {"actions": [{"step": 2, "do": "hang", "stamp": str(tmp_path / "t")}]},
+                     LCA_WATCHDOG="5")
+  p = mh.Proc(["bash", os.path.join(ROOT, "launch", "single_host.sh")] +
+              mh.train_args(tmp_path / "wd", "train.steps=6"), env, tmp_path / "child.log")
+  rc = p.wait(timeout=400)
+  elapsed = time.time() - float((tmp_path / "t").read_text())
+  assert rc == 3, p.output()[-3000:]
+  assert "lca-train: error: no progress for" in p.output() and "last: step 2" in p.output()
+  assert elapsed < 5 + 15, elapsed
 
 
 def test_watchdog_ends_a_stuck_process():

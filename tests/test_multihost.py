@@ -269,6 +269,47 @@ def test_launchers_dry_run(tmp_path):
   assert "--coordinator h:5 --num-processes 3 --process-id 2 --heartbeat-timeout 9 --workdir w" in out
 
 
+_FAKE_TRAIN = """
+import os, signal, sys, time
+pid, d = os.environ["JAX_PROCESS_ID"], sys.argv[-1]
+def term(*_):
+  open(os.path.join(d, "term" + pid), "w").close()
+  sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+open(os.path.join(d, "ready" + pid), "w").close()
+if os.environ.get("FAIL_ID") == pid:
+  sys.exit(7)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("case", ["sigterm", "failure"])
+def test_local_launcher_signals_and_failures(tmp_path, case):
+  """multiprocess.sh --local: SIGTERM reaches every process (exit 0); a failing process makes
+  the launcher exit with its status and kill the others after LCA_FAIL_GRACE seconds."""
+  script = tmp_path / "fake_train.py"
+  script.write_text(_FAKE_TRAIN)
+  env = child_env(1, LCA_TRAIN=f"{PY} {script}", LCA_FAIL_GRACE="1",
+                  **({"FAIL_ID": "1"} if case == "failure" else {}))
+  p = Proc(["bash", os.path.join(ROOT, "launch", "multiprocess.sh"), "--local", "3", "--",
+            str(tmp_path)], env, tmp_path / "launcher.log")
+  deadline = time.time() + 30
+  while not all((tmp_path / f"ready{i}").exists() for i in range(3)):
+    assert time.time() < deadline and p.p.poll() in (None, 7), p.output()
+    time.sleep(0.1)
+  if case == "sigterm":
+    time.sleep(0.3)
+    p.p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 0, p.output()
+    assert all((tmp_path / f"term{i}").exists() for i in range(3)), p.output()
+  else:
+    t0 = time.time()
+    assert p.wait(timeout=30) == 7, p.output()
+    assert time.time() - t0 < 15
+    assert "process 1 exited with status 7" in p.output()
+    assert "still running 1s after a failure: killing it" in p.output()
+
+
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
   """launch/slurm.sbatch (2 tasks) trains; process 1 gets SIGTERM before step index 1 -> both

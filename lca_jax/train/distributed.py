@@ -303,8 +303,10 @@ def initialize(cfg: DistConfig) -> None:
 # ---- hang watchdog -------------------------------------------------------------------------
 class Watchdog:
   """Ends the process (exit status ``EXIT_HUNG``) when ``beat()`` has not been called for
-  ``timeout`` seconds while armed. ``arm()`` starts the clock (the loop arms it after its first
-  step, so compilation is not counted); ``beat(what)`` records progress."""
+  ``timeout`` seconds while armed. ``arm()`` (re)starts the clock, ``suspend()`` stops it (the
+  loop arms it after its first step and suspends it during the first eval and the first
+  checkpoint, so compiles and one-time setup are not counted); ``beat(what)`` records
+  progress."""
 
   def __init__(self, timeout: float, name: str = "lca-train", on_expire=None):
     self.timeout = float(timeout)
@@ -322,6 +324,11 @@ class Watchdog:
   def arm(self, what: str = "armed") -> None:
     self._armed = True
     self.beat(what)
+
+  def suspend(self, what: str = "") -> None:
+    self._armed = False
+    if what:
+      self._what = what
 
   def beat(self, what: str = "") -> None:
     self._last = time.monotonic()

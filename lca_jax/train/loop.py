@@ -470,6 +470,7 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
     t_mark, n_mark = time.perf_counter(), start
     pending = None
     last_saved = latest
+    dog_armed = saved_once = False
 
     def process(item):
       nonlocal t_mark, n_mark, window, last_train
@@ -525,22 +526,30 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
           process(pending)
           pending = None
         if do_eval and not stopping:
+          if last_eval == {} and dog_armed:
+            dog.suspend(f"first eval @ {n} (compiling)")
           res = evaluate(setup, state.params, config)
           if res is not None:
             writer.write_eval(n, res)
             last_eval = dict(res, step=n)
             progress.write(f"eval @ {n}: bpb_ntp {res['bpb_ntp']:.4f}" +
                            (f", bpb_mbp {res['bpb_mbp']:.4f}" if "bpb_mbp" in res else ""))
-          dog.beat(f"eval @ {n}")
+          if dog_armed:
+            dog.arm(f"eval @ {n}")
           reset_clock(n)
         if do_ckpt and last_saved != n:
+          if not saved_once and dog_armed:
+            dog.suspend(f"first checkpoint {n}")
           ckpt.save(state, pipeline.get_state(),
                     meta={"model": model_cfg.to_dict(), "bytes_seen": n * plan.bytes_per_step})
           last_saved = n
-          dog.beat(f"checkpoint {n}")
+          if dog_armed:
+            dog.arm(f"checkpoint {n}")
+          saved_once = True
           reset_clock(n)
         if step == start:
           dog.arm(f"step {n}")  # compiling the first step is not counted
+          dog_armed = True
         else:
           dog.beat(f"step {n}")
         if stopping:
