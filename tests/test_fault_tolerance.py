@@ -159,12 +159,14 @@ def test_no_readable_checkpoint_is_one_line_error(tmp_path, straight, capsys):
   wd = _copy(straight, tmp_path)
   for step in (2, 4, 6):
     os.remove(_params_files(os.path.join(wd, "checkpoints", str(step)))[0])
-  with pytest.warns(ckpt_lib.CorruptCheckpointWarning):
-    code = cli.main(["--config", mh.CONFIG, "--workdir", wd] +
-                    [f"--config.{o}" for o in mh.TINY + [f"train.steps={STEPS}"]])
+  code = cli.main(["--config", mh.CONFIG, "--workdir", wd] +
+                  [f"--config.{o}" for o in mh.TINY + [f"train.steps={STEPS}"]])
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and "no readable checkpoint" in err[-1] and "step 6:" in err[-1], err
-  assert "Traceback" not in "\n".join(err)
+  assert "nothing was moved" in err[-1] and "Traceback" not in "\n".join(err)
+  # A problem common to every step (here: all damaged) never empties the directory.
+  assert ckpt_lib.Checkpointer(wd, read_only=True).all_steps() == [2, 4, 6]
+  assert not os.path.exists(os.path.join(wd, ckpt_lib.CORRUPT_DIR))
 
 
 def test_unwritable_checkpoint_folder(tmp_path, capsys):

@@ -20,8 +20,9 @@ Fault tolerance:
     deleted when the next run opens the directory.
   * Once a step is committed, process 0 writes ``<step>/lca_manifest.json`` (every file of
     the step and its size). ``restore_latest`` checks it before restoring: a step with a missing
-    or truncated file, or one that fails to restore, is moved to ``WORKDIR/corrupt_checkpoints/``
-    with a ``CorruptCheckpointWarning`` naming it, and the previous step is restored instead.
+    or truncated file, or one that fails to restore, is skipped and the previous step restored;
+    the skipped steps are then moved to ``WORKDIR/corrupt_checkpoints/`` with a
+    ``CorruptCheckpointWarning`` naming them (nothing is moved when no step restores).
     (In a multi-process run the manifest check is agreed by all processes; a failure inside
     orbax's restore on only some processes cannot be recovered from safely, so it is an error
     naming the step to move away.)
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 from typing import Any, Optional
@@ -225,7 +227,10 @@ class Checkpointer:
 
   def _seal(self) -> None:
     for step in self._unsealed:
-      write_manifest(os.path.join(self.directory, str(step)), step)
+      try:
+        write_manifest(os.path.join(self.directory, str(step)), step)
+      except OSError as e:  # the checkpoint itself is complete; it just stays unverified
+        warnings.warn(f"could not write {MANIFEST} of checkpoint step {step}: {e}")
     self._unsealed = []
 
   def restore(self, step: int, abstract_state, data_iterator=None):
@@ -264,41 +269,44 @@ class Checkpointer:
 
   def restore_latest(self, abstract_state, data_iterator=None):
     """(state, step) from the newest checkpoint that verifies and restores; (None, None) when
-    there is none. Unreadable steps are set aside with a ``CorruptCheckpointWarning`` naming
-    them. Raises ``CorruptCheckpointError`` when checkpoints exist but none is readable."""
+    there is none. Steps newer than the one restored that failed are then set aside (into
+    WORKDIR/corrupt_checkpoints/) with a ``CorruptCheckpointWarning`` naming them; nothing is
+    moved when no step restores (``CorruptCheckpointError`` listing why), so a systematic
+    problem never empties the directory."""
     from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
+    steps = sorted(self.all_steps(), reverse=True)
+    if not steps:
+      return None, None
+    check_process_count(os.path.join(self.directory, str(steps[0])), jax.process_count())
     multi = jax.process_count() > 1
     bad = []
-    while True:
-      steps = sorted(self.all_steps(), reverse=True)
-      if not steps:
-        if bad:
-          raise CorruptCheckpointError(
-              f"no readable checkpoint in {self.directory}: " +
-              "; ".join(f"step {s}: {r}" for s, r in bad) +
-              f" (set aside in {os.path.join(self.workdir, CORRUPT_DIR)})")
-        return None, None
-      step = steps[0]
-      prev = steps[1] if len(steps) > 1 else None
+    for i, step in enumerate(steps):
+      nxt = steps[i + 1] if i + 1 < len(steps) else None
       reason = verify_step(os.path.join(self.directory, str(step)))
       if not distributed.all_agree(reason is None):
         reason = reason or "unreadable on another process"
       if reason is None:
         try:
-          return self.restore(step, abstract_state, data_iterator), step
+          state = self.restore(step, abstract_state, data_iterator)
         except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
           reason = _short(e)
-          if multi:
+          if multi:  # other processes may be inside orbax's restore barrier: no way back
             raise CorruptCheckpointError(
                 f"checkpoint step {step} in {self.directory} cannot be restored on process "
                 f"{jax.process_index()} ({reason}). Move it out of the way (e.g. into "
                 f"{os.path.join(self.workdir, CORRUPT_DIR)}/) and rerun to resume from "
-                f"{'step ' + str(prev) if prev is not None else 'scratch'}.") from None
-      then = f"falling back to step {prev}" if prev is not None else "no earlier checkpoint"
-      warnings.warn(f"checkpoint step {step} in {self.directory} is corrupt ({reason}); {then}",
-                    CorruptCheckpointWarning, stacklevel=2)
+                f"{'step ' + str(nxt) if nxt is not None else 'scratch'}.") from None
+        else:
+          for s_bad, r_bad in bad:
+            warnings.warn(f"checkpoint step {s_bad} in {self.directory} is corrupt ({r_bad}); "
+                          f"falling back to step {step}", CorruptCheckpointWarning, stacklevel=2)
+            self.set_aside(s_bad)
+          return state, step
       bad.append((step, reason))
-      self.set_aside(step)
+    raise CorruptCheckpointError(
+        f"no readable checkpoint in {self.directory}: " +
+        "; ".join(f"step {s}: {r}" for s, r in bad) +
+        " (nothing was moved; move the damaged steps away, or use a new --workdir)")
 
 
 def _short(e: BaseException, limit: int = 300) -> str:
@@ -353,6 +361,24 @@ def verify_step(step_dir: str) -> Optional[str]:
     return None
   more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
   return "; ".join(problems[:3]) + more
+
+
+def check_process_count(step_dir: str, n: int) -> None:
+  """A ``ConfigMismatchError`` when the step's data-iterator state was written by another
+  number of processes (each process checkpoints its own position in its shard of the data)."""
+  data = os.path.join(step_dir, "data")
+  if not os.path.isdir(data):
+    return
+  counts = set()
+  for name in os.listdir(data):
+    m = re.fullmatch(r"process_\d+-of-(\d+)\.json", name)
+    if m:
+      counts.add(int(m.group(1)))
+  if counts and n not in counts:
+    raise ConfigMismatchError(
+        f"the checkpoint in {os.path.dirname(step_dir)} was written by {max(counts)} processes, "
+        f"this run has {n}: resume it with {max(counts)} processes (any number of devices per "
+        "process), or start a new --workdir with train.init_from=<this workdir> (params only)")
 
 
 def set_aside(workdir: str, step: int) -> Optional[str]:

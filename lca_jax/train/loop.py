@@ -5,7 +5,9 @@ One optimizer step consumes ``train.global_batch_bytes`` bytes = ``rows`` sequen
 (split over the ('data', 'fsdp') mesh axes). Every ``train.checkpoint_every`` steps, at the end
 and on SIGTERM the state and the data iterator position are checkpointed; a work directory
 that holds a checkpoint is resumed from its latest one, exactly (same params and batches as an
-uninterrupted run). Metrics are fetched one step late so the host never waits on the step it
+uninterrupted run); a corrupt latest checkpoint is skipped for the previous one (see
+train/checkpoint.py), and in a multi-process run SIGTERM on any process stops all of them at
+the same step. Metrics are fetched one step late so the host never waits on the step it
 just dispatched; a non-finite loss stops the run (``NonFiniteLossError``) and no checkpoint of
 that step or later is written.
 """
