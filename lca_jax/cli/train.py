@@ -19,25 +19,6 @@ import os
 import sys
 
 
-def _split_overrides(rest):
-  """['--config.a.b=1', '--config.c', '2'] -> ['a.b=1', 'c=2']; anything else is an error."""
-  out, i = [], 0
-  while i < len(rest):
-    arg = rest[i]
-    if not arg.startswith("--config."):
-      raise ValueError(f"unrecognized argument {arg!r} (overrides look like --config.train.steps=100)")
-    key = arg[len("--config."):]
-    if "=" in key:
-      out.append(key)
-      i += 1
-    elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
-      out.append(f"{key}={rest[i + 1]}")
-      i += 2
-    else:
-      raise ValueError(f"override {arg!r} has no value (use --config.{key}=VALUE)")
-  return out
-
-
 def _want_distributed(flag: bool, coordinator: str = "") -> bool:
   from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
   return distributed.wanted(os.environ, flag=flag, coordinator=coordinator)
@@ -90,7 +71,7 @@ def main(argv=None) -> int:
   from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
   from lca_jax.model.config import ConfigError  # pylint: disable=g-import-not-at-top
   try:
-    overrides = _split_overrides(rest)
+    overrides = configs_io.split_overrides(rest)
     config = configs_io.load_config(args.config)
     configs_io.apply_overrides(config, overrides)
   except (ValueError, configs_io.ConfigFileError, ConfigError) as e:
