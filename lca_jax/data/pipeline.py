@@ -259,6 +259,21 @@ def checkpoint_handler():
     return grain.checkpoint.CheckpointHandler()
 
 
+def batch_and_prefetch(it, batch_size, drop_remainder, pad, worker_count, worker_buffer_size, max_batches):
+    """The tail every pipeline shares: batch, optionally pad the final batch (``pad``: a grain
+    Map or None), multiprocess prefetch with ``worker_count`` > 0, and a batch limit."""
+    it = it.batch(batch_size, drop_remainder=drop_remainder)
+    if pad is not None:
+        it = it.map(pad)
+    if worker_count > 0:
+        _ensure_absl_flags_parsed()
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count,
+                                                          per_worker_buffer_size=worker_buffer_size))
+    if max_batches is not None:
+        it = grain.experimental.LimitIterDataset(it, int(max_batches))
+    return it
+
+
 def make_pipeline(files: str | Sequence[str], format: str | None = None, seq_len: int = 1024,
                   batch_size: int = 8, packing: str = "segmented", seed: int = 0, shuffle: bool = True,
                   num_epochs: int | None = None, shard_index: int | None = None, shard_count: int | None = None,
@@ -288,15 +303,8 @@ def make_pipeline(files: str | Sequence[str], format: str | None = None, seq_len
     ds = grain.MapDataset.source(order).map(encode_document)
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(64, 16 * read_threads)))
     it = PackIterDataset(it, seq_len, packing)
-    it = it.batch(batch_size, drop_remainder=drop_remainder)
-    if pad_final_batch:
-        it = it.map(_PadBatch(batch_size))
-    if worker_count > 0:
-        _ensure_absl_flags_parsed()
-        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count,
-                                                          per_worker_buffer_size=worker_buffer_size))
-    if max_batches is not None:
-        it = grain.experimental.LimitIterDataset(it, int(max_batches))
+    it = batch_and_prefetch(it, batch_size, drop_remainder, _PadBatch(batch_size) if pad_final_batch else None,
+                            worker_count, worker_buffer_size, max_batches)
     config = dict(files=files, format=format, reader=type(index.reader).__name__, seq_len=seq_len,
                   batch_size=batch_size, packing=packing,
                   seed=seed, shuffle=shuffle, num_epochs=num_epochs, shard_index=shard_index,

@@ -509,16 +509,9 @@ def make_sft_pipeline(files: str | Sequence[str], sft_format: str, seq_len: int 
     it = grain.MapDataset.source(order).to_iter_dataset(
         grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(64, 16 * read_threads)))
     it = SftPackIterDataset(it, seq_len, packing)
-    it = it.batch(batch_size, drop_remainder=drop_remainder)
-    if pad_final_batch:
-        it = it.map(_PadRows(batch_size))
-    if worker_count > 0:
-        from lca_jax.data.pipeline import _ensure_absl_flags_parsed
-        _ensure_absl_flags_parsed()
-        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count,
-                                                          per_worker_buffer_size=worker_buffer_size))
-    if max_batches is not None:
-        it = grain.experimental.LimitIterDataset(it, int(max_batches))
+    from lca_jax.data.pipeline import batch_and_prefetch
+    it = batch_and_prefetch(it, batch_size, drop_remainder, _PadRows(batch_size) if pad_final_batch else None,
+                            worker_count, worker_buffer_size, max_batches)
     config = dict(files=files, format="jsonl", sft_format=sft_format, reader="SftJsonlReader", seq_len=seq_len,
                   batch_size=batch_size, packing=packing, seed=seed, shuffle=shuffle, num_epochs=num_epochs,
                   shard_index=shard_index, shard_count=shard_count, worker_count=worker_count, holdout=None)
