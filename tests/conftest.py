@@ -36,6 +36,15 @@ if _cache not in ("", "0"):
   jax.config.update("jax_compilation_cache_dir", _cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
+# Tiny training overrides shared by the training/checkpoint tests (one compiled train step).
+# decay_steps is fixed so that runs of different lengths share one schedule (and one compile).
+TRAIN_TINY = ["model.d_model=32", "model.d_inner=64", "model.n_heads=2", "model.n_kv_heads=2",
+              "model.n_lm=1", "model.n_mbp=1", "data.seq_len=32", "train.micro_batch_size=8",
+              "train.global_batch_bytes=512", "train.log_every=1", "train.eval_every=0",
+              "train.checkpoint_every=1000", "train.progress_bar=False",
+              "train.tensorboard=False", "optim.warmup_steps=2", "optim.lr=3e-3",
+              "optim.decay_steps=40"]
+
 REF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "reference")
 REF_NAMES = ("lca_small", "lca_gqa", "fxt_small")
 

@@ -14,18 +14,15 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 import lca_jax  # noqa: E402
+from conftest import TRAIN_TINY  # noqa: E402
 from lca_jax import configs_io  # noqa: E402
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from lca_jax.train import loop  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-# Same as tests/test_train.py, so that both files share one compiled train step.
-TINY = ["model.d_model=32", "model.d_inner=64", "model.n_heads=2", "model.n_kv_heads=2",
-        "model.n_lm=1", "model.n_mbp=1", "data.seq_len=32", "train.micro_batch_size=8",
-        "train.global_batch_bytes=512", "train.log_every=1", "train.eval_every=0",
-        "train.checkpoint_every=1000", "train.progress_bar=False", "train.tensorboard=False",
-        "optim.warmup_steps=2", "optim.lr=3e-3", "optim.decay_steps=40"]
+# Shared with tests/test_train.py (conftest.TRAIN_TINY): both files share one compiled step.
+TINY = TRAIN_TINY
 
 
 def tiny_config(*overrides):

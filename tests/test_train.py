@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from conftest import TRAIN_TINY  # noqa: E402
 from lca_jax import configs_io  # noqa: E402
 from lca_jax.cli import train as cli  # noqa: E402
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
@@ -24,12 +25,7 @@ from lca_jax.train import sharding as shd  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-TINY = ["model.d_model=32", "model.d_inner=64", "model.n_heads=2", "model.n_kv_heads=2",
-        "model.n_lm=1", "model.n_mbp=1", "data.seq_len=32", "train.micro_batch_size=8",
-        "train.global_batch_bytes=512", "train.log_every=1", "train.eval_every=0",
-        "train.checkpoint_every=1000", "train.progress_bar=False", "train.tensorboard=False",
-        "optim.warmup_steps=2", "optim.lr=3e-3", "optim.decay_steps=40"]
-# decay_steps is fixed so that runs of different lengths share one schedule (and one compile).
+TINY = TRAIN_TINY
 N = 3  # exact-resume tests: 2N steps straight vs N + N
 
 
