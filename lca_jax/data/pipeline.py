@@ -259,12 +259,13 @@ def checkpoint_handler():
     return grain.checkpoint.CheckpointHandler()
 
 
-def batch_and_prefetch(it, batch_size, drop_remainder, pad, worker_count, worker_buffer_size, max_batches):
-    """The tail every pipeline shares: batch, optionally pad the final batch (``pad``: a grain
-    Map or None), multiprocess prefetch with ``worker_count`` > 0, and a batch limit."""
+def batch_and_prefetch(it, batch_size, drop_remainder, pad_final_batch, worker_count, worker_buffer_size,
+                       max_batches):
+    """The tail every pipeline shares: batch, optionally pad a short final batch with all-zero
+    rows, multiprocess prefetch with ``worker_count`` > 0, and a batch limit."""
     it = it.batch(batch_size, drop_remainder=drop_remainder)
-    if pad is not None:
-        it = it.map(pad)
+    if pad_final_batch:
+        it = it.map(_PadBatch(batch_size))
     if worker_count > 0:
         _ensure_absl_flags_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count,
@@ -303,8 +304,8 @@ def make_pipeline(files: str | Sequence[str], format: str | None = None, seq_len
     ds = grain.MapDataset.source(order).map(encode_document)
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(64, 16 * read_threads)))
     it = PackIterDataset(it, seq_len, packing)
-    it = batch_and_prefetch(it, batch_size, drop_remainder, _PadBatch(batch_size) if pad_final_batch else None,
-                            worker_count, worker_buffer_size, max_batches)
+    it = batch_and_prefetch(it, batch_size, drop_remainder, pad_final_batch, worker_count, worker_buffer_size,
+                            max_batches)
     config = dict(files=files, format=format, reader=type(index.reader).__name__, seq_len=seq_len,
                   batch_size=batch_size, packing=packing,
                   seed=seed, shuffle=shuffle, num_epochs=num_epochs, shard_index=shard_index,

@@ -450,18 +450,6 @@ class SftPackIterDataset(grain.IterDataset):
         return _SftPackIterator(self._parent.__iter__(), self._seq_len, self._packing)
 
 
-class _PadRows(grain.transforms.Map):
-    def __init__(self, batch_size: int):
-        self.batch_size = batch_size
-
-    def map(self, batch):
-        n = len(batch["ids"])
-        if n == self.batch_size:
-            return batch
-        return {k: np.concatenate([v, np.zeros((self.batch_size - n,) + v.shape[1:], v.dtype)])
-                for k, v in batch.items()}
-
-
 def check_first_example(files, sft_format: str) -> None:
     """Fail fast (in the calling process) when the first line of the first file is not an
     example of ``sft_format``."""
@@ -510,8 +498,8 @@ def make_sft_pipeline(files: str | Sequence[str], sft_format: str, seq_len: int 
         grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(64, 16 * read_threads)))
     it = SftPackIterDataset(it, seq_len, packing)
     from lca_jax.data.pipeline import batch_and_prefetch
-    it = batch_and_prefetch(it, batch_size, drop_remainder, _PadRows(batch_size) if pad_final_batch else None,
-                            worker_count, worker_buffer_size, max_batches)
+    it = batch_and_prefetch(it, batch_size, drop_remainder, pad_final_batch, worker_count, worker_buffer_size,
+                            max_batches)
     config = dict(files=files, format="jsonl", sft_format=sft_format, reader="SftJsonlReader", seq_len=seq_len,
                   batch_size=batch_size, packing=packing, seed=seed, shuffle=shuffle, num_epochs=num_epochs,
                   shard_index=shard_index, shard_count=shard_count, worker_count=worker_count, holdout=None)
