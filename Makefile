@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR ?= workdirs/demo
-DEMO_STEPS ?= 600
+DEMO_STEPS ?= 2000
 
 .PHONY: venv demo test bench clean
 

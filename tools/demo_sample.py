@@ -2,7 +2,7 @@
 segmentation of a sentence.
 
     python tools/demo_sample.py --checkpoint workdirs/demo [--prompt "..."] [--max-bytes 120]
-        [--tau 0.5] [--n 3] [--sentence "..."]
+        [--tau 0.5] [--n 3] [--sentence "..."] [--temperature 0.7] [--seed 0] [--heldout-bytes 160]
 
 ``--checkpoint``: an lca-train work directory or an upstream checkpoint (anything lca_jax.load
 reads). Decoding uses ``model.generate`` (lca_jax.decode) when it is installed, else a plain
@@ -75,13 +75,17 @@ def segmentation(model, sentence: str) -> str:
   if b is None:
     return "(flat model: no segmentation)"
   raw = sentence.encode("utf-8")
-  out = bytearray()
-  for byte, closes in zip(raw, b):
-    out.append(byte)
-    if closes:
-      out += b"|"
-  text = out.decode("utf-8", errors="replace")
-  text += f"\n-- {int(np.sum(b))} boundaries in {len(raw)} bytes"
+  # Per character, so a boundary inside a multi-byte UTF-8 character is shown after it
+  # (instead of splitting the character into replacement glyphs).
+  pieces, i = [], 0
+  for ch in sentence:
+    n = len(ch.encode("utf-8"))
+    pieces.append(ch + ("|" if np.any(b[i:i + n]) else ""))
+    i += n
+  text = "".join(pieces)
+  n_b = int(np.sum(b))
+  per = f"{len(raw) / n_b:.2f} bytes per latent" if n_b else "no group closes"
+  text += f"\n-- {n_b} boundaries in {len(raw)} bytes ({per})"
   probs = boundary_probs(model, ids)
   if probs is not None:
     text += (f"; boundary probability min {probs.min():.2f} / mean {probs.mean():.2f} / "
@@ -108,6 +112,50 @@ def boundary_probs(model, ids):
   return np.asarray(jax.nn.sigmoid(logits.astype(jnp.float32))).reshape(-1)
 
 
+def training_summary(path: str) -> str:
+  """One line from an lca-train work directory: the last held-out eval (inference-mode
+  boundaries, no Gumbel noise) and the last logged training-time boundary rate."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  def last(name):
+    f = os.path.join(path, name)
+    if not os.path.isfile(f):
+      return None
+    rows = [ln for ln in open(f, encoding="utf-8") if ln.strip()]
+    try:
+      return json.loads(rows[-1]) if rows else None
+    except ValueError:
+      return None
+  ev, tr = last("eval.jsonl"), last("metrics.jsonl")
+  parts = []
+  if ev:
+    txt = f"held-out @ step {ev.get('step')}: bpb ntp {ev['bpb_ntp']:.3f}"
+    if ev.get("bpb_mbp") is not None:
+      txt += f", mbp {ev['bpb_mbp']:.3f}"
+    if ev.get("bytes_per_latent") is not None:
+      txt += f", {ev['bytes_per_latent']:.2f} bytes/latent at inference"
+    parts.append(txt)
+  if tr and tr.get("bytes_per_latent") is not None:
+    parts.append(f"training (Gumbel-sampled boundaries): {tr['bytes_per_latent']:.2f} bytes/latent")
+  return "; ".join(parts)
+
+
+def heldout_snippet(n_bytes: int) -> str:
+  """The start of a held-out paragraph of the bundled demo corpus ('' if unavailable)."""
+  if n_bytes <= 0:
+    return ""
+  try:
+    from lca_jax.data import demo  # pylint: disable=g-import-not-at-top
+    from lca_jax.data import read_documents  # pylint: disable=g-import-not-at-top
+    every = demo.DEMO_HOLDOUT_EVERY
+    for i, doc in enumerate(read_documents([demo.demo_corpus_path()], "text")):
+      if i % every == every - 1 and len(doc.encode("utf-8")) >= n_bytes:
+        return doc.encode("utf-8")[:n_bytes].decode("utf-8", errors="ignore")
+  except Exception:  # pylint: disable=broad-except
+    return ""
+  return ""
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--checkpoint", required=True)
@@ -117,6 +165,11 @@ def main(argv=None):
   ap.add_argument("--tau", type=float, default=0.5)
   ap.add_argument("--n", type=int, default=3)
   ap.add_argument("--reference", action="store_true", help="force the reference loop")
+  ap.add_argument("--temperature", type=float, default=0.7,
+                  help="also show a sampled next-byte continuation at this temperature (0: skip)")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--heldout-bytes", type=int, default=160,
+                  help="also segment this many bytes of held-out demo-corpus text (0: skip)")
   args = ap.parse_args(argv)
 
   import lca_jax  # pylint: disable=g-import-not-at-top
@@ -128,6 +181,9 @@ def main(argv=None):
   cfg = model.cfg
   print(f"model: {cfg.kind}, d={cfg.d_model}, layers enc/lm/dec/mbp = "
         f"{cfg.n_enc}/{cfg.n_lm}/{cfg.n_dec}/{cfg.n_mbp} ({args.checkpoint})")
+  summary = training_summary(args.checkpoint)
+  if summary:
+    print(summary)
   print(f"prompt: {_visible(args.prompt)!r}\n")
 
   use_engine = (not args.reference and importlib.util.find_spec("lca_jax.decode") is not None
@@ -163,8 +219,22 @@ def main(argv=None):
       print(f"-- {res['bytes']} bytes in {res['steps']} steps "
             f"({res['bytes'] / max(res['steps'], 1):.2f} bytes/step)\n")
 
+  if use_engine and args.temperature > 0:
+    # Greedy decoding of a model this small falls into loops; a sample shows what it learned.
+    try:
+      res = model.generate([args.prompt], max_bytes=args.max_bytes, mode="ntp",
+                           temperature=args.temperature, seed=args.seed)
+      print(f"== sampled next-byte (temperature {args.temperature}, seed {args.seed}) [model.generate] ==")
+      print(args.prompt + res.texts[0] + "\n")
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"(sampling failed: {type(e).__name__}: {e})\n")
+
   print("== learned segmentation ('|' after a byte that closes its group) ==")
   print(segmentation(model, args.sentence))
+  held = heldout_snippet(args.heldout_bytes)
+  if held and cfg.hierarchical:
+    print(f"\n== segmentation of held-out text (first {len(held.encode())} bytes of a held-out paragraph) ==")
+    print(segmentation(model, held).replace("\n", "\\n", held.count("\n")))
   return 0
 
 
