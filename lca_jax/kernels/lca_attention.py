@@ -4,7 +4,8 @@
 
 * ``impl="xla"``: dense-masked reference (``reference.lca_attention_reference``).
 * ``impl="pallas"``: block-sparse Triton kernels (``pallas_fwd``/``pallas_bwd``)
-  under ``jax.custom_vjp``; ``interpret=True`` runs them on CPU.
+  under ``jax.custom_vjp``; ``interpret=True`` runs them on CPU. Under a multi-device
+  mesh (``jax.set_mesh``) the call runs per device in a ``jax.shard_map`` (``sharded``).
 
 The Pallas path pads ``T`` up to a multiple of the block sizes (padded
 positions behave like doc id 0) and ``D`` up to a power of two >= 16, computes
@@ -24,6 +25,7 @@ from jax import lax
 from .pallas_bwd import lca_backward_dkdv, lca_backward_dq
 from .pallas_fwd import KernelConfig, lca_forward
 from .reference import lca_attention_reference, lca_key_start
+from .sharded import shard_over_mesh
 
 _MIN_BLOCK = 16  # Triton dot products need every dim >= 16.
 
@@ -200,6 +202,7 @@ def lca_attention(
     scale: float | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    shard: bool = True,
 ) -> jax.Array:
   """LCA-masked multi-head attention (see ``reference`` for the mask).
 
@@ -214,6 +217,10 @@ def lca_attention(
     block_q, block_k: Pallas tile sizes (powers of two >= 16; clamped for short T).
     scale: logit scale, default ``1 / sqrt(D)``.
     num_warps, num_stages: Triton launch parameters (``None`` = heuristic).
+    shard: ``impl="pallas"`` only: under a multi-device mesh set with ``jax.set_mesh``, run
+      the kernel per device in a ``jax.shard_map`` (batch over the mesh axes 'data'/'fsdp',
+      heads over 'tensor' when they divide; see ``sharded``). ``False`` leaves the call to
+      XLA, which then gathers the inputs onto every device.
 
   Returns:
     [B, T, H, D] in ``q.dtype``.
@@ -223,7 +230,10 @@ def lca_attention(
   if impl == "xla":
     return lca_attention_reference(q, k, v, segment_ids, doc_ids, scale=scale)
   if impl == "pallas":
-    return _lca_attention_pallas(
-        q, k, v, segment_ids, doc_ids, block_q=block_q, block_k=block_k, scale=scale,
+    kernel = functools.partial(
+        _lca_attention_pallas, block_q=block_q, block_k=block_k, scale=scale,
         interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    if not shard:
+      return kernel(q, k, v, segment_ids, doc_ids)
+    return shard_over_mesh(kernel, q, k, v, segment_ids, doc_ids)
   raise ValueError(f"impl must be 'xla' or 'pallas', got {impl!r}")
