@@ -103,10 +103,16 @@ def _copies_reference(model, n_copies, ids_BT):
   return ap(ByteLM.logits, h2)[:, t:]
 
 
-@pytest.mark.parametrize("name", ["lca", "mlp", "spacebyte", "flat"])
-def test_cache_parity_per_step(name):
+@pytest.mark.parametrize("name", ["lca", "lca_window", "mlp", "spacebyte", "flat"])
+def test_cache_parity_per_step(name, monkeypatch):
   """Feed chunks of 1..9 bytes (ragged across rows) through the caches; every head's logits
-  and every boundary equal the full forward, including chunks that close several groups."""
+  and every boundary equal the full forward, including chunks that close several groups.
+  ``lca_window``: the LCA-MBP head attends a 13-slot window of its cache whenever the keys of
+  a step fit (some steps fit, some fall back to the whole cache: both asserted)."""
+  window = name == "lca_window"
+  if window:
+    name = "lca"
+    monkeypatch.setattr(cache, "MBP_WINDOW", 13)
   model = tiny_model(name, bp_bias=2.0)
   cfg = model.cfg
   rng = np.random.default_rng(1)
@@ -121,6 +127,7 @@ def test_cache_parity_per_step(name):
   # by causality the full forward over the whole rows gives every prefix's logits
   ref = model.forward(ids)
   saw_multi_close = False
+  fits_seen = set()
   for step, ks in enumerate(chunks):
     x = np.zeros((b, 9), np.int32)  # one shape for every chunk: one compilation
     for r in range(b):
@@ -140,6 +147,10 @@ def test_cache_parity_per_step(name):
         np.testing.assert_array_equal(np.asarray(st.b[r, : new_pos[r]]),
                                       ref["boundaries"][r, : new_pos[r]])
         saw_multi_close |= int(st.n_closed[r]) - int(old_closed[r]) >= 2
+    if window:  # did every row's keys (group before the first new byte on) fit 13 slots?
+      g = np.cumsum(ref["boundaries"], axis=1) - ref["boundaries"]
+      first = [np.argmax(g[r] >= g[r, pos[r]] - 1) for r in range(b)]
+      fits_seen.add(all(pos[r] + x.shape[1] + c - first[r] <= 13 for r in range(b)))
     pos = new_pos
     if cfg.has_lca and step == 4:  # appended copies: against a forward that ends at t
       copies = cop(st)
@@ -149,6 +160,8 @@ def test_cache_parity_per_step(name):
         np.testing.assert_allclose(st.last_copies[r], ref_copies[0], atol=1e-3)
   if cfg.hierarchical:
     assert saw_multi_close
+  if window:
+    assert fits_seen == {True, False}
 
 
 def test_rollback_equals_shorter_extend():

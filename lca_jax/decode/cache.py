@@ -28,10 +28,10 @@ class DecodeState:
   length: jax.Array  # [B] number of committed bytes
   b: jax.Array  # [B, L] hard boundary of each byte
   g: jax.Array  # [B, L] group id of each byte
-  enc: Tuple  # per-layer (k, v) [B, L, KV, E]
+  enc: Tuple  # per-layer (k, v) [B, KV, L, E]
   dec: Tuple
   mbp: Tuple
-  lm: Tuple  # per-layer (k, v) [B, S, KV, E]
+  lm: Tuple  # per-layer (k, v) [B, KV, S, E]
   z: jax.Array  # [B, S, D] LM outputs per slot (slot 0 = null group)
   s: jax.Array  # [B, S, D] pooled inputs per slot
   n_closed: jax.Array  # [B] closed groups
@@ -44,7 +44,7 @@ class DecodeState:
 
 
 def _kv(cfg: ModelConfig, n_layers, b, length, dtype):
-  shape = (b, length, cfg.n_kv_heads, cfg.head_dim)
+  shape = (b, cfg.n_kv_heads, length, cfg.head_dim)  # head-major: no per-step transpose
   return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(n_layers))
 
 
@@ -203,8 +203,8 @@ def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_m
       grp = jnp.concatenate([grp, jnp.repeat(u_last[:, None], c, axis=1)], axis=1)
       order = jnp.concatenate([pos, (state.length + k_B)[:, None] + jnp.arange(c)[None]], 1)
     key_g = write_rows(g, grp, state.length)
-    mask = _lca_cache_mask(key_g, grp, order, _key_order(state.length, k_B, k, c, length_cap))
-    h_m, mbp = _stack(cfg, params, "mbp", m, order, mask, state.mbp, state.length)
+    h_m, mbp = _mbp_stack(cfg, params, state, m, grp, order, key_g,
+                          _key_order(state.length, k_B, k, c, length_cap))
     mbp_logits = _apply(cfg, params, ByteLM.logits, h_m)
     out["mbp_logits"] = mbp_logits[:, :k]
     new.update(mbp=mbp, last_mbp=keep(_take(mbp_logits, last), state.last_mbp))
@@ -248,9 +248,43 @@ def mbp_copies(cfg: ModelConfig, params, state: DecodeState, n_copies: int):
   pos = state.length[:, None] + jnp.arange(n_copies)[None, :]
   grp = jnp.broadcast_to(u[:, None], (b, n_copies))
   g = write_rows(state.g, grp, state.length)
-  mask = _lca_cache_mask(g, grp, pos, jnp.broadcast_to(jnp.arange(length_cap), g.shape))
-  h, _ = _stack(cfg, params, "mbp", m, pos, mask, state.mbp, state.length)
+  h, _ = _mbp_stack(cfg, params, state, m, grp, pos, g,
+                    jnp.broadcast_to(jnp.arange(length_cap), g.shape))
   return _apply(cfg, params, ByteLM.logits, h)
+
+
+MBP_WINDOW = 128  # cache slots the LCA-MBP head attends per step when every query's keys fit
+
+
+def _mbp_stack(cfg, params, state: DecodeState, m_BQD, grp_BQ, ord_BQ, key_g_BL, key_ord_BL):
+  """The LCA-MBP stack over its byte cache for Q queries written at ``state.length``.
+
+  A query's keys lie in [first byte of group g - 1, query] (DESIGN §2.8), so the block needs
+  only the slots from the first byte of group ``grp[:, 0] - 1`` to its last written slot. When
+  that span fits ``MBP_WINDOW`` slots in every row, attend that window only (O(W) per step
+  instead of O(L)); otherwise (very long groups) attend the whole cache. Same numbers both ways.
+  """
+  length_cap, q = key_g_BL.shape[1], grp_BQ.shape[1]
+  length = state.length
+  slot = jnp.arange(length_cap)[None, :]
+  full = lambda: _stack(cfg, params, "mbp", m_BQD, ord_BQ,
+                        _lca_cache_mask(key_g_BL, grp_BQ, ord_BQ, key_ord_BL), state.mbp, length)
+  w = MBP_WINDOW
+  if w >= length_cap or q >= w:  # short caches, prefill
+    return full()
+  # committed group ids are non-decreasing: the trailing bytes of groups >= first query's - 1
+  lo = length - jnp.sum((slot < length[:, None]) & (state.g >= grp_BQ[:, :1] - 1), axis=1)
+  start = jnp.clip(lo, 0, length_cap - w)
+  win = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, w))
+
+  def windowed():
+    mask = _lca_cache_mask(win(key_g_BL, start), grp_BQ, ord_BQ, win(key_ord_BL, start))
+    out, new = _apply(cfg, params, ByteLM.stack_step, "mbp", m_BQD, ord_BQ, mask,
+                      list(state.mbp), length, start)
+    return out, tuple(new)
+
+  fits = jnp.all(length + q - lo <= w)
+  return jax.lax.cond(fits, windowed, full)
 
 
 def rollback(state: DecodeState, old: DecodeState, out: dict, a_B) -> DecodeState:

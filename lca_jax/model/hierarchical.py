@@ -122,9 +122,11 @@ class ByteLM(nn.Module):
     h, _ = self.mbp(m_BTD, pos_BT, mask, kernel=kernel, deterministic=deterministic)
     return h
 
-  def stack_step(self, which: str, x_BTD, pos_BT, mask_BTS, caches, write_B):
-    """Run stack ``which`` ('encoder', 'lm', 'decoder', 'mbp') over a KV cache (decoding)."""
-    return getattr(self, which)(x_BTD, pos_BT, mask_BTS, caches=caches, write_B=write_B)
+  def stack_step(self, which: str, x_BTD, pos_BT, mask_BTS, caches, write_B, window_B=None):
+    """Run stack ``which`` ('encoder', 'lm', 'decoder', 'mbp') over a KV cache (decoding),
+    optionally attending only a window of it (see ``Attention``)."""
+    return getattr(self, which)(x_BTD, pos_BT, mask_BTS, caches=caches, write_B=write_B,
+                                window_B=window_B)
 
   def mlp_head(self, i, h_BTD):
     return self.mlp_heads[i](h_BTD)

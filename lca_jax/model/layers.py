@@ -64,11 +64,28 @@ def masked_attention(q_BTHE, k_BSKE, v_BSKE, mask_BTS):
   return out.reshape(b, t, h, e).astype(q_BTHE.dtype)
 
 
-def write_rows(cache_BS, new_BT, start_B):
-  """Write ``new`` into ``cache`` at a per-row start index (ragged batches)."""
+def write_rows(cache_BS, new_BT, start_B, axis: int = 0):
+  """Write ``new`` into ``cache`` at a per-row start index along ``axis`` of each row (ragged
+  batches)."""
   def one(c, n, s):
-    return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=0)
+    return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=axis)
   return jax.vmap(one)(cache_BS, new_BT, start_B)
+
+
+def cached_attention(q_BTHE, k_BKSE, v_BKSE, mask_BTS):
+  """``masked_attention`` against a KV cache stored head-major ([B, K, S, E]): both products
+  contract without moving the cache (a [B, S, K, E] cache costs a full transpose per step)."""
+  h, kv = q_BTHE.shape[2], k_BKSE.shape[1]
+  b, t, _, e = q_BTHE.shape
+  q = q_BTHE.reshape(b, t, kv, h // kv, e)
+  scores = jnp.einsum("btkge,bkse->bkgts", q, k_BKSE, preferred_element_type=jnp.float32)
+  scores = scores / jnp.sqrt(jnp.float32(e))
+  m = mask_BTS[:, None, None, :, :]
+  scores = jnp.where(m, scores, NEG_INF)
+  probs = jnp.where(m, jax.nn.softmax(scores, axis=-1), 0.0)
+  out = jnp.einsum("bkgts,bkse->btkge", probs.astype(v_BKSE.dtype), v_BKSE,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, t, h, e).astype(q_BTHE.dtype)
 
 
 class Attention(nn.Module):
@@ -81,13 +98,14 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD, positions_BT, mask_BTS=None, *, kernel: Optional[Callable] = None,
-               cache=None, write_B=None, deterministic=True):
+               cache=None, write_B=None, deterministic=True, window_B=None):
     """Self-attention, or attention over a KV cache.
 
     Without ``cache``: keys are this call's tokens; pass either ``mask_BTS`` or ``kernel``
     (a function (q, k, v) -> out that applies its own mask, e.g. the Pallas LCA kernel).
-    With ``cache`` = (k [B,S,K,E], v): the new keys are written at ``write_B`` and queries attend
-    the whole cache under ``mask_BTS`` [B,T,S]. Returns (out, (k, v)) — the new keys/values
+    With ``cache`` = (k [B,K,S,E], v) (head-major): the new keys are written at ``write_B`` and queries attend
+    the whole cache under ``mask_BTS`` [B,T,S], or, with ``window_B``, only the W = mask width
+    slots starting there (the caller guarantees no allowed key lies outside). Returns (out, (k, v)) — the new keys/values
     (no cache) or the updated cache.
     """
     b, t, d = x_BTD.shape
@@ -98,9 +116,14 @@ class Attention(nn.Module):
     q = rope(q, positions_BT, self.rope_base)
     k = rope(k, positions_BT, self.rope_base)
     if cache is not None:
-      k_all = write_rows(cache[0], k, write_B)
-      v_all = write_rows(cache[1], v, write_B)
-      out = masked_attention(q, k_all, v_all, mask_BTS)
+      k_all = write_rows(cache[0], k.transpose(0, 2, 1, 3), write_B, axis=1)
+      v_all = write_rows(cache[1], v.transpose(0, 2, 1, 3), write_B, axis=1)
+      if window_B is None:
+        out = cached_attention(q, k_all, v_all, mask_BTS)
+      else:
+        w = mask_BTS.shape[-1]
+        win = jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, w, axis=1))
+        out = cached_attention(q, win(k_all, window_B), win(v_all, window_B), mask_BTS)
       new_kv = (k_all, v_all)
     else:
       out = kernel(q, k, v) if kernel is not None else masked_attention(q, k, v, mask_BTS)
@@ -136,11 +159,11 @@ class Block(nn.Module):
   # Not keyword-only: Stack's remat path passes every argument positionally (static_argnums
   # there count self as 0: kernel is 4, deterministic 7).
   def __call__(self, x, positions, mask=None, kernel=None, cache=None, write_B=None,
-               deterministic=True):
+               deterministic=True, window_B=None):
     attn = Attention(self.n_heads, self.n_kv_heads, x.shape[-1] // self.n_heads, self.rope_base,
                      self.dtype, self.dropout, name="attn")
     y, kv = attn(RMSNorm(self.eps, name="norm1")(x), positions, mask, kernel=kernel, cache=cache,
-                 write_B=write_B, deterministic=deterministic)
+                 write_B=write_B, deterministic=deterministic, window_B=window_B)
     x = x + y
     y = SwiGLU(self.d_inner, self.dtype, name="mlp")(RMSNorm(self.eps, name="norm2")(x))
     y = nn.Dropout(self.dropout)(y, deterministic=deterministic)
@@ -162,7 +185,7 @@ class Stack(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, mask=None, *, kernel=None, caches=None, write_B=None,
-               deterministic=True):
+               deterministic=True, window_B=None):
     block_cls = nn.remat(Block, static_argnums=(4, 7)) if self.remat else Block
     new_caches = []
     for i in range(self.n_layers):
@@ -170,9 +193,9 @@ class Stack(nn.Module):
                       self.dtype, self.dropout, name=f"layer_{i}")
       cache = None if caches is None else caches[i]
       if self.remat:
-        x, kv = blk(x, positions, mask, kernel, cache, write_B, deterministic)
+        x, kv = blk(x, positions, mask, kernel, cache, write_B, deterministic, window_B)
       else:
         x, kv = blk(x, positions, mask, kernel=kernel, cache=cache, write_B=write_B,
-                    deterministic=deterministic)
+                    deterministic=deterministic, window_B=window_B)
       new_caches.append(kv)
     return x, new_caches
