@@ -4,7 +4,8 @@
         [--batch 1,8] [--tau 0.9] [--n 3] [--naive-bytes 64]
 
 Measures bytes/s after warm-up (compilation excluded and reported separately) for the cached
-engine in ntp, threshold and verify modes at each batch size, and a naive loop that reruns the
+engine in ntp, threshold and verify modes at each batch size (plus threshold with tau 0, which
+accepts all n bytes per step: the engine's ceiling once the MBP head is confident), and a naive loop that reruns the
 full forward over the whole (fixed-size, so compiled once) sequence for every byte, as the
 paper's code does. Ratios are against the naive loop and against cached ntp.
 """
@@ -63,13 +64,16 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=2)
   a = ap.parse_args(argv)
   model = lca_jax.load(a.checkpoint)
-  modes = ["ntp"] + (["threshold", "verify"] if model.cfg.has_mbp else [])
+  # threshold_tau0 accepts every candidate (n bytes per step whatever the model): the engine's
+  # ceiling for this n, i.e. what threshold mode delivers once the MBP head is confident
+  modes = ["ntp"] + (["threshold", "verify", "threshold_tau0"] if model.cfg.has_mbp else [])
   out = {"checkpoint": a.checkpoint, "device": str(jax.devices()[0]), "prompt_bytes": a.prompt_bytes,
          "new_bytes": a.new_bytes, "tau": a.tau, "n": a.n, "results": {}}
   for bsz in [int(x) for x in a.batch.split(",")]:
     prompts = [prompt_ids(a.prompt_bytes, seed=i) for i in range(bsz)]
     for mode in modes:
-      kw = dict(mode=mode, tau=a.tau, n=a.n, max_bytes=a.new_bytes, ignore_eos=True)
+      kw = dict(mode=mode.split("_")[0], tau=0.0 if mode.endswith("tau0") else a.tau, n=a.n,
+                max_bytes=a.new_bytes, ignore_eos=True)
       model.generate(prompts, **kw)  # warm-up (compiles)
       runs = [model.generate(prompts, **kw) for _ in range(a.repeats)]
       best = max(runs, key=lambda r: r.bytes_per_s)
@@ -87,7 +91,7 @@ def main(argv=None):
   ratios = {"ntp_b1_vs_naive": res["ntp_b1"]["bytes_per_s"] / naive}
   for key in res:
     if key.startswith(("threshold", "verify")):
-      ntp_key = "ntp_" + key.split("_")[-1]
+      ntp_key = "ntp_" + key.rsplit("_", 1)[-1]
       ratios[f"{key}_vs_{ntp_key}"] = res[key]["bytes_per_s"] / res[ntp_key]["bytes_per_s"]
   out["ratios"] = {k: round(v, 2) for k, v in ratios.items()}
   print(json.dumps(out, indent=1))
