@@ -18,6 +18,7 @@ from conftest import TRAIN_TINY  # noqa: E402
 from lca_jax import configs_io  # noqa: E402
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from lca_jax.train import loop  # noqa: E402
+from lca_jax.train.errors import TrainError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -97,7 +98,7 @@ def test_init_from_workdir(saved, tmp_path):
   for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(res.state.params)),
                   jax.tree_util.tree_leaves(saved["params"])):
     np.testing.assert_array_equal(a, b)
-  with pytest.raises(loop.TrainError, match="does not match"):
+  with pytest.raises(TrainError, match="does not match"):
     loop.train_and_evaluate(tiny_config("train.steps=0", "model.d_inner=96",
                                         f"train.init_from={saved['workdir']}"),
                             str(tmp_path / "other"))

@@ -366,16 +366,16 @@ def _reference(steps):
   import jax  # pylint: disable=g-import-not-at-top
   from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
   from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import loop  # pylint: disable=g-import-not-at-top
+  from lca_jax.train import inputs, loop  # pylint: disable=g-import-not-at-top
   from lca_jax.train import sharding as shd  # pylint: disable=g-import-not-at-top
   cfg = configs_io.apply_overrides(configs_io.load_config(CONFIG),
                                    TINY + MESH4 + [f"train.steps={steps}"])
   setup = loop.prepare(cfg, jax.devices()[:4])
   p = setup.plan
-  src = loop.data_sources(cfg)["train"]
+  src = inputs.data_sources(cfg)["train"]
   pipes = [dp.make_pipeline(src["files"], batch_size=p.rows // 2, seed=int(cfg.train.seed),
                             shuffle=True, shard_index=i, shard_count=2,
-                            **loop._pipeline_kwargs(cfg, src)) for i in range(2)]  # pylint: disable=protected-access
+                            **inputs._pipeline_kwargs(cfg, src)) for i in range(2)]  # pylint: disable=protected-access
   state = setup.init_state()
   losses = []
   try:

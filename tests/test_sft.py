@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lca_jax import vocab
-from lca_jax.data import sft
+from lca_jax.data import sft, sft_format
 from lca_jax.data.sources import DataError
 
 CHAT = {"messages": [{"role": "system", "content": "Be nice."}, {"role": "user", "content": "Hi"},
@@ -33,31 +33,31 @@ def chat_records(n):
 
 # ---- formats ------------------------------------------------------------------------------
 def test_format_prompt_every_format():
-  assert sft.format_prompt({"es": "hola", "en": "hello"}, "translation") == (
+  assert sft_format.format_prompt({"es": "hola", "en": "hello"}, "translation") == (
       "<spanish> hola <translate to english> ", "hello")
-  assert sft.format_prompt({"src": "salut", "tgt": "hi", "src_lang": "fr"}, "translation") == (
+  assert sft_format.format_prompt({"src": "salut", "tgt": "hi", "src_lang": "fr"}, "translation") == (
       "<french> salut <translate to english> ", "hi")
-  assert sft.format_prompt({"translation": {"en": "hi", "fr": "salut"}}, "translation")[0] == (
+  assert sft_format.format_prompt({"translation": {"en": "hi", "fr": "salut"}}, "translation")[0] == (
       "<french> salut <translate to english> ")
-  assert sft.format_prompt({"article": "Long text.", "highlights": "Short."}, "summarization") == (
+  assert sft_format.format_prompt({"article": "Long text.", "highlights": "Short."}, "summarization") == (
       "Long text. <summarize> ", "Short.")
-  assert sft.format_prompt({"article": "A", "summary": "B"}, "summarization") == ("A <summarize> ", "B")
-  assert sft.format_prompt(CHAT, "chat") == (
+  assert sft_format.format_prompt({"article": "A", "summary": "B"}, "summarization") == ("A <summarize> ", "B")
+  assert sft_format.format_prompt(CHAT, "chat") == (
       "<|system|>\nBe nice.\n<|user|>\nHi\n<|assistant|>\nHello!<eos>\n<|user|>\nBye\n<|assistant|>\n",
       "Ciao ü")
   qa = {"story": "Tom has a ball.", "question": "What?", "answers": ["a ball", "ball"],
         "history": [["Who?", "Tom"]]}
-  assert sft.format_prompt(qa, "qa") == (
+  assert sft_format.format_prompt(qa, "qa") == (
       "<|user|>\nTom has a ball.\n\nWho?\n<|assistant|>\nTom<eos>\n<|user|>\nWhat?\n<|assistant|>\n",
       "a ball")
-  assert sft.format_prompt({"prompt": "Write."}, "ifeval") == ("<|user|>\nWrite.\n<|assistant|>\n", "")
-  ids, _ = sft.format_prompt_ids(qa, "qa")
+  assert sft_format.format_prompt({"prompt": "Write."}, "ifeval") == ("<|user|>\nWrite.\n<|assistant|>\n", "")
+  ids, _ = sft_format.format_prompt_ids(qa, "qa")
   assert (ids == vocab.EOS_ID).sum() == 1  # the earlier reply's eos is a real EOS id
 
 
 def test_format_prompt_truncates_the_source_field():
   ex = {"article": "é" * 50, "summary": "short"}
-  p, t = sft.format_prompt(ex, "summarization", max_prompt_bytes=20)
+  p, t = sft_format.format_prompt(ex, "summarization", max_prompt_bytes=20)
   assert t == "short" and p.endswith(" <summarize> ")
   assert len(p.encode()) <= 20 and "\ufffd" not in p  # no split UTF-8 character
 
@@ -66,7 +66,7 @@ def test_expand_coqa_record():
   rec = {"story": "S.", "questions": [{"input_text": "q1"}, {"input_text": "q2"}],
          "answers": [{"input_text": "a1"}, {"input_text": "a2"}],
          "additional_answers": {"0": [{"input_text": "b1"}, {"input_text": "b2"}]}}
-  turns = sft.expand_qa(rec)
+  turns = sft_format.expand_qa(rec)
   assert [t["question"] for t in turns] == ["q1", "q2"]
   assert turns[1]["answers"] == ["a2", "b2"] and turns[1]["history"] == [["q1", "a1"]]
 
@@ -75,13 +75,13 @@ def test_expand_coqa_record():
                                      ({"article": "x"}, "summarization"),
                                      ({"de": "x", "fr": "y"}, "translation")])
 def test_bad_examples_raise(bad, fmt):
-  with pytest.raises(sft.ExampleError):
-    sft.format_prompt(bad, fmt)
+  with pytest.raises(sft_format.ExampleError):
+    sft_format.format_prompt(bad, fmt)
 
 
 # ---- masks --------------------------------------------------------------------------------
 def test_chat_mask_covers_exactly_the_replies_and_their_eos():
-  ids, mask = sft.encode_example(CHAT, "chat")
+  ids, mask = sft_format.encode_example(CHAT, "chat")
   assert vocab.decode(ids[mask == 1], specials="render") == "Hello!<eos>Ciao ü<eos>"
   prompt_part = vocab.decode(ids[mask == 0], specials="render")
   assert "Hello" not in prompt_part and prompt_part.count("<|assistant|>") == 2
@@ -91,8 +91,8 @@ def test_chat_mask_covers_exactly_the_replies_and_their_eos():
 @pytest.mark.parametrize("fmt,ex", [("translation", {"es": "hola", "en": "hello"}),
                                     ("summarization", {"article": "Some words.", "summary": "Few."})])
 def test_single_turn_mask(fmt, ex):
-  ids, mask = sft.encode_example(ex, fmt)
-  prompt, target = sft.format_prompt(ex, fmt)
+  ids, mask = sft_format.encode_example(ex, fmt)
+  prompt, target = sft_format.format_prompt(ex, fmt)
   n = len(prompt.encode())
   assert not mask[:n].any() and mask[n:].all()
   assert vocab.decode(ids[n:], specials="render") == target + "<eos>"
@@ -100,12 +100,12 @@ def test_single_turn_mask(fmt, ex):
 
 def test_long_examples_keep_their_target():
   ex = {"article": "word " * 100, "summary": "the gist"}
-  ids, mask = sft.encode_example(ex, "summarization", seq_len=64)
+  ids, mask = sft_format.encode_example(ex, "summarization", seq_len=64)
   assert len(ids) <= 64
   assert vocab.decode(ids[mask == 1], specials="render") == "the gist<eos>"
   assert " <summarize> " in vocab.decode(ids)
   long_chat = {"messages": [{"role": "user", "content": "q" * 100}, {"role": "assistant", "content": "a"}]}
-  assert sft.encode_example(long_chat, "chat", seq_len=64) is None  # nothing to learn: skipped
+  assert sft_format.encode_example(long_chat, "chat", seq_len=64) is None  # nothing to learn: skipped
 
 
 # ---- pipeline -----------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def _pipe(path, **kw):
 def test_pipeline_batches_masks_and_segments(tmp_path):
   path = write_jsonl(tmp_path / "c.jsonl", chat_records(7))
   batches = list(_pipe(path, shuffle=False, num_epochs=1, drop_remainder=False, pad_final_batch=True))
-  expect = {vocab.decode(sft.encode_example(r, "chat")[0], specials="render") for r in chat_records(7)}
+  expect = {vocab.decode(sft_format.encode_example(r, "chat")[0], specials="render") for r in chat_records(7)}
   seen = set()
   for b in batches:
     assert set(b) == {"ids", "segment_ids", "positions", "loss_mask"}

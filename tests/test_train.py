@@ -20,8 +20,10 @@ from conftest import TRAIN_TINY  # noqa: E402
 from lca_jax import configs_io  # noqa: E402
 from lca_jax.cli import train as cli  # noqa: E402
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
+from lca_jax.train import inputs  # noqa: E402
 from lca_jax.train import loop  # noqa: E402
 from lca_jax.train import sharding as shd  # noqa: E402
+from lca_jax.train.errors import NonFiniteLossError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -139,8 +141,8 @@ def test_sharded_step_matches_single_device():
 
 def _batches(n):
   cfg = tiny_config()
-  setup_plan = loop.plan_batches(cfg, shd.make_mesh(cfg.mesh, jax.devices()[:1]))
-  pipe = loop.make_train_pipeline(cfg, setup_plan)
+  setup_plan = inputs.plan_batches(cfg, shd.make_mesh(cfg.mesh, jax.devices()[:1]))
+  pipe = inputs.make_train_pipeline(cfg, setup_plan)
   try:
     return [next(pipe) for _ in range(n)]
   finally:
@@ -151,7 +153,7 @@ def test_nonfinite_loss_stops_without_checkpoint(tmp_path):
   def poison(batch):
     batch["ids"][:] = 10 ** 6  # out-of-range ids: NaN embeddings
   cfg = tiny_config("train.steps=6", "train.checkpoint_every=2")
-  with pytest.raises(loop.NonFiniteLossError, match="non-finite loss at step 4"):
+  with pytest.raises(NonFiniteLossError, match="non-finite loss at step 4"):
     loop.train_and_evaluate(cfg, str(tmp_path), on_step=Recorder(fire_at=3, action=poison))
   assert ckpt_lib.Checkpointer(str(tmp_path), read_only=True).all_steps() == [2]
 

@@ -74,8 +74,9 @@ def main(argv=None) -> int:
   errors = (convert.ConvertError, CheckpointError, LoadError, ConfigError, OSError)
   if config is not None:
     from lca_jax.data.sources import DataError  # pylint: disable=g-import-not-at-top
-    from lca_jax.train import loop, sharding  # pylint: disable=g-import-not-at-top
-    errors += (DataError, loop.TrainError, sharding.MeshError)
+    from lca_jax.train import sharding  # pylint: disable=g-import-not-at-top
+    from lca_jax.train.errors import TrainError  # pylint: disable=g-import-not-at-top
+    errors += (DataError, TrainError, sharding.MeshError)
   try:
     if args.cmd == "to-torch":
       out = convert.to_torch(args.checkpoint, args.out, args.dtype, step=args.step,

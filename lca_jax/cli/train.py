@@ -80,6 +80,7 @@ def main(argv=None) -> int:
   from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top
   from lca_jax.data.sources import DataError  # pylint: disable=g-import-not-at-top
   from lca_jax.train import checkpoint, distributed, loop, sharding  # pylint: disable=g-import-not-at-top
+  from lca_jax.train.errors import NonFiniteLossError, TrainError  # pylint: disable=g-import-not-at-top
 
   try:
     watchdog = float(args.watchdog if args.watchdog is not None
@@ -99,9 +100,9 @@ def main(argv=None) -> int:
 
   try:
     result = loop.train_and_evaluate(config, args.workdir, watchdog=watchdog)
-  except loop.NonFiniteLossError as e:
+  except NonFiniteLossError as e:
     return _fail_multi(multi, str(e), 1)
-  except (ConfigError, DataError, loop.TrainError, checkpoint.ConfigMismatchError,
+  except (ConfigError, DataError, TrainError, checkpoint.ConfigMismatchError,
           checkpoint.CorruptCheckpointError, sharding.MeshError, LoadError) as e:
     return _fail_multi(multi, str(e))
   except KeyboardInterrupt:

@@ -210,6 +210,7 @@ def write_resumable_workdir(out: str, params, cfg: ModelConfig, config, *,
   ``devices``: the mesh's devices while writing (default all; the checkpoint restores onto
   any mesh)."""
   from lca_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from lca_jax.train import inputs  # pylint: disable=g-import-not-at-top
   from lca_jax.train import loop  # pylint: disable=g-import-not-at-top
   from lca_jax.train import sharding as shd  # pylint: disable=g-import-not-at-top
   from lca_jax.train import state as st  # pylint: disable=g-import-not-at-top
@@ -218,7 +219,7 @@ def write_resumable_workdir(out: str, params, cfg: ModelConfig, config, *,
   diffs = _model_diffs(cfg, model_cfg)
   if diffs:
     raise ConvertError("the config's model does not describe the checkpoint: " + "; ".join(diffs))
-  loop.check_data_files(config)
+  inputs.check_data_files(config)
   setup = loop.prepare(config, devices)
   # The checkpoint's own padding may differ from the config's vocab_size: re-pad.
   params = _repad_vocab(params, cfg, model_cfg.vocab_size)
@@ -228,7 +229,7 @@ def write_resumable_workdir(out: str, params, cfg: ModelConfig, config, *,
                        "; ".join(bad[:6]))
   with shd.mesh_context(setup.mesh):
     state = st.state_from_params(params, setup.tx, int(config.train.seed), setup.shardings)
-  pipeline = loop.make_train_pipeline(config, setup.plan)
+  pipeline = inputs.make_train_pipeline(config, setup.plan)
   try:
     data_state = pipeline.get_state()
   finally:

@@ -5,6 +5,7 @@
 
 Modules: sharding (mesh, logical rules), optim (Adam + warmup/cosine), state (TrainState,
 sharded init), step (train/eval steps), checkpoint (orbax, load_for_inference), metrics
-(jsonl/TensorBoard/MFU), loop (train_and_evaluate). Imported lazily: ``lca_jax.load`` only
-needs ``checkpoint``.
+(jsonl/TensorBoard/MFU), inputs (batch plan, data sources and pipelines of a config), stop
+(SIGTERM / request_stop), errors (TrainError), loop (train_and_evaluate). Imported lazily:
+``lca_jax.load`` only needs ``checkpoint``.
 """

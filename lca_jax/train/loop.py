@@ -9,17 +9,15 @@ uninterrupted run); a corrupt latest checkpoint is skipped for the previous one 
 train/checkpoint.py), and in a multi-process run SIGTERM on any process stops all of them at
 the same step. Metrics are fetched one step late so the host never waits on the step it
 just dispatched; a non-finite loss stops the run (``NonFiniteLossError``) and no checkpoint of
-that step or later is written.
+that step or later is written. Batch layout and data pipelines come from train/inputs.py,
+the stop flag (SIGTERM, ``request_stop``) from train/stop.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
-import signal
-import threading
 import time
-import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -28,176 +26,21 @@ import numpy as np
 
 from lca_jax.model.config import ModelConfig
 from lca_jax.train import checkpoint as ckpt_lib
+from lca_jax.train import inputs
 from lca_jax.train import metrics as met
 from lca_jax.train import optim
 from lca_jax.train import sharding as shd
 from lca_jax.train import state as st
 from lca_jax.train import step as step_lib
-
-
-class TrainError(RuntimeError):
-  """A user-facing training problem (bad batch layout, unwritable workdir, ...)."""
-
-
-class NonFiniteLossError(TrainError):
-  """The loss (or gradient norm) became NaN/inf; the run stopped without checkpointing it."""
+from lca_jax.train import stop as stop_lib
+from lca_jax.train.errors import NonFiniteLossError, TrainError
+from lca_jax.train.stop import request_stop  # noqa: F401  (public API: loop.request_stop)
 
 
 # ---- configuration -------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class BatchPlan:
-  seq_len: int
-  rows: int  # sequences per optimizer step (all processes)
-  micro: int  # rows per micro-batch (all processes)
-  accum: int  # micro-batches per step
-
-  @property
-  def host_rows(self) -> int:
-    return self.rows // jax.process_count()
-
-  @property
-  def host_micro(self) -> int:
-    return self.micro // jax.process_count()
-
-  @property
-  def bytes_per_step(self) -> int:
-    return self.rows * self.seq_len
-
-
-def plan_batches(config, mesh) -> BatchPlan:
-  t = int(config.data.seq_len)
-  gbb = int(config.train.global_batch_bytes)
-  micro = int(config.train.micro_batch_size)
-  if t <= 0 or micro <= 0 or gbb <= 0:
-    raise TrainError("data.seq_len, train.micro_batch_size and train.global_batch_bytes must be positive")
-  if gbb % (micro * t):
-    raise TrainError(
-        f"train.global_batch_bytes={gbb} is not a multiple of train.micro_batch_size * data.seq_len"
-        f" = {micro} * {t} = {micro * t}")
-  shards = shd.batch_shards(mesh)
-  if micro % shards:
-    raise TrainError(
-        f"train.micro_batch_size={micro} rows cannot be divided over the {shards} batch shards "
-        f"of the mesh (data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}); use a multiple of {shards}")
-  if micro % jax.process_count():
-    raise TrainError(f"train.micro_batch_size={micro} is not divisible by the "
-                     f"{jax.process_count()} processes")
-  rows = gbb // t
-  return BatchPlan(seq_len=t, rows=rows, micro=micro, accum=rows // micro)
-
-
 def lambdas(config):
   return (float(config.train.lambda_ntp), float(config.train.lambda_mbp),
           float(config.train.lambda_bp))
-
-
-def _cfg_get(section, key, default):
-  try:
-    return section[key] if key in section else default
-  except (KeyError, AttributeError):
-    return default
-
-
-def demo_corpus_files() -> list:
-  """The bundled demo corpus (lca_jax/data/corpus), split by ``lca_jax.data.DEMO_HOLDOUT_EVERY``."""
-  from lca_jax.data import demo  # pylint: disable=g-import-not-at-top
-  path = demo.demo_corpus_path()
-  if not os.path.isfile(path):
-    raise TrainError(f"the bundled demo corpus is missing: {path}")
-  return [path]
-
-
-def _fmt(name: str) -> Optional[str]:
-  name = (name or "").strip()
-  return {"": None, "arrayrecord": "array_record"}.get(name, name)
-
-
-def data_sources(config) -> dict:
-  """Where training and eval documents come from: explicit files, or the demo corpus split
-  into train / held-out documents."""
-  train_files = str(config.data.train_files or "").strip()
-  eval_files = str(config.data.eval_files or "").strip()
-  split = lambda s: [p.strip() for p in s.split(",") if p.strip()]
-  fmt = _fmt(config.data.format)
-  if not train_files and _sft_format(config):
-    raise TrainError(f"data.sft_format={_sft_format(config)!r} needs data.train_files "
-                     "(jsonl files of examples); the bundled demo corpus is plain text")
-  if not train_files:
-    demo = demo_corpus_files()
-    out = dict(train=dict(files=demo, format="text", holdout="train"))
-    out["eval"] = (dict(files=split(eval_files), format=fmt, holdout=None) if eval_files
-                   else dict(files=demo, format="text", holdout="eval"))
-    return out
-  train_src = split(train_files) if fmt != "tfds" else train_files
-  out = dict(train=dict(files=train_src, format=fmt, holdout=None), eval=None)
-  if eval_files:
-    out["eval"] = dict(files=split(eval_files) if fmt != "tfds" else eval_files, format=fmt,
-                       holdout=None)
-  return out
-
-
-def _pipeline_kwargs(config, src):
-  kw = dict(format=src["format"], seq_len=int(config.data.seq_len),
-            packing=str(config.data.packing), worker_count=int(config.data.worker_count))
-  if src["holdout"]:
-    from lca_jax.data import demo  # pylint: disable=g-import-not-at-top
-    kw.update(holdout=src["holdout"], holdout_every=demo.DEMO_HOLDOUT_EVERY)
-  if src["format"] == "tfds":
-    kw["tfds_split"] = str(config.data.tfds_split)
-  return kw
-
-
-def _sft_format(config) -> str:
-  return str(_cfg_get(config.data, "sft_format", "") or "").strip()
-
-
-def _sft_kwargs(config):
-  from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
-  packing = str(config.data.packing)
-  # ``concat`` (cut documents into rows) has no meaning for prompt/target examples.
-  return dict(sft_format=_sft_format(config), seq_len=int(config.data.seq_len),
-              packing=packing if packing in sft.SFT_PACKING else "segmented",
-              worker_count=int(config.data.worker_count))
-
-
-def make_train_pipeline(config, plan: BatchPlan):
-  """This process's training batches ([host_rows, T] numpy dicts), checkpointable."""
-  src = data_sources(config)["train"]
-  if _sft_format(config):
-    from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
-    return sft.make_sft_pipeline(src["files"], batch_size=plan.host_rows,
-                                 seed=int(config.train.seed), shuffle=True, **_sft_kwargs(config))
-  from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
-  return dp.make_pipeline(src["files"], batch_size=plan.host_rows, seed=int(config.train.seed),
-                          shuffle=True, **_pipeline_kwargs(config, src))
-
-
-def make_eval_pipeline(config, plan: BatchPlan):
-  """One deterministic pass over the held-out data (None when there is none)."""
-  src = data_sources(config)["eval"]
-  if src is None:
-    return None
-  max_batches = int(config.train.eval_batches) or None
-  if _sft_format(config):
-    from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
-    return sft.make_sft_eval_pipeline(src["files"], batch_size=plan.host_micro,
-                                      max_batches=max_batches, shard_index=jax.process_index(),
-                                      shard_count=jax.process_count(), **_sft_kwargs(config))
-  from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
-  return dp.make_eval_pipeline(src["files"], batch_size=plan.host_micro, max_batches=max_batches,
-                               **_pipeline_kwargs(config, src))
-
-
-def check_data_files(config) -> None:
-  """Fail early (before compiling anything) when a data glob matches nothing."""
-  from lca_jax.data import sources  # pylint: disable=g-import-not-at-top
-  for name, src in data_sources(config).items():
-    if src is None or src["format"] == "tfds":
-      continue
-    try:
-      sources.expand_files(src["files"])
-    except sources.DataError as e:
-      raise sources.DataError(f"data.{name}_files: {e}") from None
 
 
 def prepare_workdir(workdir: str) -> str:
@@ -223,7 +66,7 @@ class Setup:
   config: Any
   model_cfg: ModelConfig
   mesh: Any
-  plan: BatchPlan
+  plan: inputs.BatchPlan
   tx: Any
   schedule: Any
   abstract: Any  # abstract TrainState with shardings
@@ -263,7 +106,7 @@ def prepare(config, devices: Optional[Sequence[Any]] = None) -> Setup:
   """
   model_cfg = model_config_of(config)
   mesh = shd.make_mesh(config.mesh, devices)
-  plan = plan_batches(config, mesh)
+  plan = inputs.plan_batches(config, mesh)
   horizon = optim.decay_horizon(config.optim, int(config.train.steps))
   key = (model_cfg, tuple(sorted(config.optim.to_dict().items())), horizon, lambdas(config),
          int(config.train.seed), tuple(d.id for d in mesh.devices.flat),
@@ -326,52 +169,6 @@ def load_init_params(setup: Setup, source: str):
   return jax.tree_util.tree_map(lambda a, s: jnp.asarray(a, s.dtype), model.params, want)
 
 
-# ---- stopping ------------------------------------------------------------------------------
-class _Stop:
-  """SIGTERM -> flag; the loop checkpoints and returns at the end of the current step."""
-
-  def __init__(self):
-    self.flag = False
-    self.reason = ""
-    self._prev = None
-
-  def install(self):
-    if threading.current_thread() is threading.main_thread():
-      self._prev = signal.signal(signal.SIGTERM, self._handler)
-
-  def uninstall(self):
-    if self._prev is not None:
-      signal.signal(signal.SIGTERM, self._prev)
-      self._prev = None
-
-  def _handler(self, signum, frame):
-    del frame
-    self.set(f"signal {signal.Signals(signum).name}")
-
-  def set(self, reason: str = "stop requested"):
-    self.flag = True
-    self.reason = self.reason or reason
-
-  def agreed(self) -> bool:
-    if jax.process_count() == 1:
-      return self.flag
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    flags = np.asarray(multihost_utils.process_allgather(np.array([self.flag]))).reshape(-1)
-    if flags.any() and not self.flag:
-      who = ", ".join(str(i) for i in np.flatnonzero(flags))
-      self.set(f"stop signal on process {who}")
-    return bool(flags.any())
-
-
-_ACTIVE: list = []
-
-
-def request_stop(reason: str = "stop requested") -> None:
-  """Ask the running ``train_and_evaluate`` to checkpoint and return (as SIGTERM does)."""
-  for s in _ACTIVE:
-    s.set(reason)
-
-
 @dataclasses.dataclass
 class TrainResult:
   step: int
@@ -386,7 +183,7 @@ class TrainResult:
 def evaluate(setup: Setup, params, config=None) -> Optional[dict]:
   """Held-out bits-per-byte of both heads (None when there is no eval data)."""
   config = config or setup.config
-  pipe = make_eval_pipeline(config, setup.plan)
+  pipe = inputs.make_eval_pipeline(config, setup.plan)
   if pipe is None:
     return None
   total = None
@@ -413,7 +210,7 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
   cfg_dict = config.to_dict()
   model_cfg = model_config_of(config)
   workdir = prepare_workdir(workdir)
-  check_data_files(config)
+  inputs.check_data_files(config)
   setup = prepare(config, devices)
   plan, mesh = setup.plan, setup.mesh
   total = int(config.train.steps)
@@ -421,11 +218,12 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
   eval_every = int(config.train.eval_every)
   ckpt_every = int(config.train.checkpoint_every)
 
-  ckpt = ckpt_lib.Checkpointer(workdir, keep=int(config.train.keep_checkpoints),
-                               async_save=bool(_cfg_get(config.train, "async_checkpointing", True)))
+  ckpt = ckpt_lib.Checkpointer(
+      workdir, keep=int(config.train.keep_checkpoints),
+      async_save=bool(inputs.cfg_get(config.train, "async_checkpointing", True)))
   writer = None
   progress = None
-  stop = _Stop()
+  stop = stop_lib.Stop()
   pipeline = None
   from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
   dog = distributed.Watchdog(float(watchdog or 0))
@@ -433,12 +231,12 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
     # From here on SIGTERM (preemption, scancel, the launchers) stops at the end of the first
     # step that completes and checkpoints it.
     stop.install()
-    _ACTIVE.append(stop)
+    stop_lib.ACTIVE.append(stop)
     latest = ckpt.latest_step()
     if latest is not None:
       ckpt_lib.check_resume_config(workdir, cfg_dict)
     ckpt_lib.write_run_config(workdir, cfg_dict, model_cfg)
-    pipeline = make_train_pipeline(config, plan)
+    pipeline = inputs.make_train_pipeline(config, plan)
 
     with shd.mesh_context(mesh):
       state, latest = (ckpt.restore_latest(setup.abstract, pipeline) if latest is not None
@@ -457,9 +255,10 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
     n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(setup.abstract.params))
     flops_fn = lambda bpl: met.train_flops_per_step(model_cfg, setup.abstract.params, plan.rows,
                                                      plan.seq_len, bpl)
-    peak = met.peak_flops_per_device(override_tflops=float(_cfg_get(config.train, "peak_tflops", 0.0)))
+    peak = met.peak_flops_per_device(
+        override_tflops=float(inputs.cfg_get(config.train, "peak_tflops", 0.0)))
     n_dev = mesh.devices.size
-    writer = met.MetricsWriter(workdir, bool(_cfg_get(config.train, "tensorboard", True)),
+    writer = met.MetricsWriter(workdir, bool(inputs.cfg_get(config.train, "tensorboard", True)),
                                start_step=start)
     progress = met.Progress(total, start, bool(config.train.progress_bar))
     progress.write(
@@ -566,8 +365,8 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
   finally:
     dog.close()
     stop.uninstall()
-    if stop in _ACTIVE:
-      _ACTIVE.remove(stop)
+    if stop in stop_lib.ACTIVE:
+      stop_lib.ACTIVE.remove(stop)
     if progress is not None:
       progress.close()
     ckpt.close()

@@ -1,0 +1,172 @@
+"""Data wiring of a training run: from a config to batch layout, data sources and pipelines.
+
+``plan_batches`` turns ``data.seq_len`` / ``train.global_batch_bytes`` /
+``train.micro_batch_size`` into a ``BatchPlan`` (rows per step, micro-batches, rows per
+process) checked against the mesh; ``data_sources`` resolves ``data.train_files`` /
+``data.eval_files`` (or the bundled demo corpus split into train and held-out documents);
+``make_train_pipeline`` / ``make_eval_pipeline`` build this process's checkpointable training
+batches and its deterministic eval pass (pretraining bytes via :mod:`lca_jax.data.pipeline`,
+``data.sft_format`` examples via :mod:`lca_jax.data.sft`); ``check_data_files`` fails early
+when a data glob matches nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import jax
+
+from lca_jax.train import sharding as shd
+from lca_jax.train.errors import TrainError
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+  seq_len: int
+  rows: int  # sequences per optimizer step (all processes)
+  micro: int  # rows per micro-batch (all processes)
+  accum: int  # micro-batches per step
+
+  @property
+  def host_rows(self) -> int:
+    return self.rows // jax.process_count()
+
+  @property
+  def host_micro(self) -> int:
+    return self.micro // jax.process_count()
+
+  @property
+  def bytes_per_step(self) -> int:
+    return self.rows * self.seq_len
+
+
+def plan_batches(config, mesh) -> BatchPlan:
+  t = int(config.data.seq_len)
+  gbb = int(config.train.global_batch_bytes)
+  micro = int(config.train.micro_batch_size)
+  if t <= 0 or micro <= 0 or gbb <= 0:
+    raise TrainError("data.seq_len, train.micro_batch_size and train.global_batch_bytes must be positive")
+  if gbb % (micro * t):
+    raise TrainError(
+        f"train.global_batch_bytes={gbb} is not a multiple of train.micro_batch_size * data.seq_len"
+        f" = {micro} * {t} = {micro * t}")
+  shards = shd.batch_shards(mesh)
+  if micro % shards:
+    raise TrainError(
+        f"train.micro_batch_size={micro} rows cannot be divided over the {shards} batch shards "
+        f"of the mesh (data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}); use a multiple of {shards}")
+  if micro % jax.process_count():
+    raise TrainError(f"train.micro_batch_size={micro} is not divisible by the "
+                     f"{jax.process_count()} processes")
+  rows = gbb // t
+  return BatchPlan(seq_len=t, rows=rows, micro=micro, accum=rows // micro)
+
+
+def cfg_get(section, key, default):
+  try:
+    return section[key] if key in section else default
+  except (KeyError, AttributeError):
+    return default
+
+
+def demo_corpus_files() -> list:
+  """The bundled demo corpus (lca_jax/data/corpus), split by ``lca_jax.data.DEMO_HOLDOUT_EVERY``."""
+  from lca_jax.data import demo  # pylint: disable=g-import-not-at-top
+  path = demo.demo_corpus_path()
+  if not os.path.isfile(path):
+    raise TrainError(f"the bundled demo corpus is missing: {path}")
+  return [path]
+
+
+def _fmt(name: str) -> Optional[str]:
+  name = (name or "").strip()
+  return {"": None, "arrayrecord": "array_record"}.get(name, name)
+
+
+def data_sources(config) -> dict:
+  """Where training and eval documents come from: explicit files, or the demo corpus split
+  into train / held-out documents."""
+  train_files = str(config.data.train_files or "").strip()
+  eval_files = str(config.data.eval_files or "").strip()
+  split = lambda s: [p.strip() for p in s.split(",") if p.strip()]
+  fmt = _fmt(config.data.format)
+  if not train_files and _sft_format(config):
+    raise TrainError(f"data.sft_format={_sft_format(config)!r} needs data.train_files "
+                     "(jsonl files of examples); the bundled demo corpus is plain text")
+  if not train_files:
+    demo = demo_corpus_files()
+    out = dict(train=dict(files=demo, format="text", holdout="train"))
+    out["eval"] = (dict(files=split(eval_files), format=fmt, holdout=None) if eval_files
+                   else dict(files=demo, format="text", holdout="eval"))
+    return out
+  train_src = split(train_files) if fmt != "tfds" else train_files
+  out = dict(train=dict(files=train_src, format=fmt, holdout=None), eval=None)
+  if eval_files:
+    out["eval"] = dict(files=split(eval_files) if fmt != "tfds" else eval_files, format=fmt,
+                       holdout=None)
+  return out
+
+
+def _pipeline_kwargs(config, src):
+  kw = dict(format=src["format"], seq_len=int(config.data.seq_len),
+            packing=str(config.data.packing), worker_count=int(config.data.worker_count))
+  if src["holdout"]:
+    from lca_jax.data import demo  # pylint: disable=g-import-not-at-top
+    kw.update(holdout=src["holdout"], holdout_every=demo.DEMO_HOLDOUT_EVERY)
+  if src["format"] == "tfds":
+    kw["tfds_split"] = str(config.data.tfds_split)
+  return kw
+
+
+def _sft_format(config) -> str:
+  return str(cfg_get(config.data, "sft_format", "") or "").strip()
+
+
+def _sft_kwargs(config):
+  from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
+  packing = str(config.data.packing)
+  # ``concat`` (cut documents into rows) has no meaning for prompt/target examples.
+  return dict(sft_format=_sft_format(config), seq_len=int(config.data.seq_len),
+              packing=packing if packing in sft.SFT_PACKING else "segmented",
+              worker_count=int(config.data.worker_count))
+
+
+def make_train_pipeline(config, plan: BatchPlan):
+  """This process's training batches ([host_rows, T] numpy dicts), checkpointable."""
+  src = data_sources(config)["train"]
+  if _sft_format(config):
+    from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
+    return sft.make_sft_pipeline(src["files"], batch_size=plan.host_rows,
+                                 seed=int(config.train.seed), shuffle=True, **_sft_kwargs(config))
+  from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
+  return dp.make_pipeline(src["files"], batch_size=plan.host_rows, seed=int(config.train.seed),
+                          shuffle=True, **_pipeline_kwargs(config, src))
+
+
+def make_eval_pipeline(config, plan: BatchPlan):
+  """One deterministic pass over the held-out data (None when there is none)."""
+  src = data_sources(config)["eval"]
+  if src is None:
+    return None
+  max_batches = int(config.train.eval_batches) or None
+  if _sft_format(config):
+    from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
+    return sft.make_sft_eval_pipeline(src["files"], batch_size=plan.host_micro,
+                                      max_batches=max_batches, shard_index=jax.process_index(),
+                                      shard_count=jax.process_count(), **_sft_kwargs(config))
+  from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
+  return dp.make_eval_pipeline(src["files"], batch_size=plan.host_micro, max_batches=max_batches,
+                               **_pipeline_kwargs(config, src))
+
+
+def check_data_files(config) -> None:
+  """Fail early (before compiling anything) when a data glob matches nothing."""
+  from lca_jax.data import sources  # pylint: disable=g-import-not-at-top
+  for name, src in data_sources(config).items():
+    if src is None or src["format"] == "tfds":
+      continue
+    try:
+      sources.expand_files(src["files"])
+    except sources.DataError as e:
+      raise sources.DataError(f"data.{name}_files: {e}") from None
