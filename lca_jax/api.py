@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lca_jax.interop import upstream
+from lca_jax.interop.errors import CheckpointError
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import ByteLM
 
@@ -93,7 +94,7 @@ def load(path: str, step: Optional[int] = None) -> Model:
   if _is_upstream_dir(path):
     try:
       return load_upstream(path)
-    except upstream.CheckpointError as e:
+    except CheckpointError as e:
       raise LoadError(str(e)) from e
   try:
     from lca_jax.train import checkpoint  # pylint: disable=g-import-not-at-top

@@ -18,6 +18,7 @@ from conftest import TRAIN_TINY  # noqa: E402
 from lca_jax import configs_io  # noqa: E402
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from lca_jax.train import loop  # noqa: E402
+from lca_jax.train import run_config  # noqa: E402
 from lca_jax.train.errors import TrainError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -107,7 +108,7 @@ def test_init_from_workdir(saved, tmp_path):
 def test_config_diff_rules():
   a = {"model": {"d_model": 32}, "train": {"steps": 10, "seed": 0}, "mesh": {"data": 8}}
   b = {"model": {"d_model": 64}, "train": {"steps": 20, "seed": 1}, "mesh": {"data": 2}}
-  assert [k for k, _, _ in ckpt_lib.config_diff(a, b)] == ["model.d_model", "train.seed"]
+  assert [k for k, _, _ in run_config.config_diff(a, b)] == ["model.d_model", "train.seed"]
 
 
 def test_init_from_upstream_layout(tmp_path):

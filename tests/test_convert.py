@@ -27,7 +27,7 @@ import lca_jax  # noqa: E402
 from conftest import REF_DIR, REF_NAMES, VARIANTS, random_ids, tiny_config  # noqa: E402
 from lca_jax.api import Model  # noqa: E402
 from lca_jax.cli import convert as cli  # noqa: E402
-from lca_jax.interop import convert, upstream  # noqa: E402
+from lca_jax.interop import convert, safetensors_io, upstream  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -112,7 +112,7 @@ def test_round_trip_identical(exported, variant):
   for k in want:
     assert got[k].dtype == np.float32
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-  sd = upstream.read_safetensors(os.path.join(exported[variant], "model.safetensors"))
+  sd = safetensors_io.read_safetensors(os.path.join(exported[variant], "model.safetensors"))
   assert sd["token_embedding.weight"].shape == sd["head.weight"].shape == (261, 32)
   assert sd["blocks.0.0.attn.k_proj.weight"].shape == (16, 32)  # GQA: 1 kv head of 16
 
@@ -164,8 +164,8 @@ def test_export_has_reference_layout(tmp_path, name):
   with open(os.path.join(out, "config.json")) as f:
     got_cfg = json.load(f)
   assert got_cfg == ref_cfg  # same keys and, the config being the same, the same values
-  ref = upstream.read_safetensors(os.path.join(REF_DIR, name, "model.safetensors"))
-  got = upstream.read_safetensors(os.path.join(out, "model.safetensors"))
+  ref = safetensors_io.read_safetensors(os.path.join(REF_DIR, name, "model.safetensors"))
+  got = safetensors_io.read_safetensors(os.path.join(out, "model.safetensors"))
   assert {k: a.shape for k, a in got.items()} == {k: a.shape for k, a in ref.items()}
   assert {a.dtype for a in got.values()} == {np.dtype(np.float32)}
   np.testing.assert_allclose(got["rotary_embd.inv_freq"], ref["rotary_embd.inv_freq"], rtol=1e-6)

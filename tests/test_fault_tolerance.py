@@ -31,6 +31,7 @@ from lca_jax import configs_io  # noqa: E402
 from lca_jax.cli import train as cli  # noqa: E402
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from lca_jax.train import loop  # noqa: E402
+from lca_jax.train import manifest  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -74,7 +75,7 @@ def _resume_and_compare(wd, straight, warn_match=None):
   """Resume ``wd`` to STEPS in this process; the result must equal the straight run."""
   cfg = tiny_config(f"train.steps={STEPS}")
   if warn_match:
-    with pytest.warns(ckpt_lib.CorruptCheckpointWarning, match=warn_match):
+    with pytest.warns(manifest.CorruptCheckpointWarning, match=warn_match):
       res = loop.train_and_evaluate(cfg, wd)
   else:
     res = loop.train_and_evaluate(cfg, wd)
@@ -107,8 +108,8 @@ def test_killed_mid_save_is_never_restored(tmp_path, straight):
   assert len(tmp_dirs) == 1 and os.path.isfile(os.path.join(tmp_dirs[0], "commit_success.txt"))
   assert os.path.isdir(os.path.join(tmp_dirs[0], "params"))
   assert ckpt_lib.Checkpointer(str(wd), read_only=True).all_steps() == [2]
-  assert ckpt_lib.verify_step(str(ckdir / "2")) is None
-  assert os.path.isfile(ckdir / "2" / ckpt_lib.MANIFEST)  # sealed when step 4 was saved
+  assert manifest.verify_step(str(ckdir / "2")) is None
+  assert os.path.isfile(ckdir / "2" / manifest.MANIFEST)  # sealed when step 4 was saved
   _resume_and_compare(str(wd), straight)
   assert not glob.glob(str(ckdir / "*orbax-checkpoint-tmp*"))  # cleaned up
   assert ckpt_lib.Checkpointer(str(wd), read_only=True).all_steps() == [2, 4, 6]
@@ -130,9 +131,9 @@ def test_corrupt_latest_falls_back_with_warning(tmp_path, straight):
   os.remove(files[0])
   with open(files[1], "r+b") as f:
     f.truncate(os.path.getsize(files[1]) // 2)
-  assert "missing" in ckpt_lib.verify_step(six)
+  assert "missing" in manifest.verify_step(six)
   # Inference skips it too (and leaves it in place).
-  with pytest.warns(ckpt_lib.CorruptCheckpointWarning, match="step 6 .* corrupt .*using step 4"):
+  with pytest.warns(manifest.CorruptCheckpointWarning, match="step 6 .* corrupt .*using step 4"):
     model = lca_jax.load(wd)
   assert model.cfg.d_model == 32
   _resume_and_compare(wd, straight,
@@ -149,7 +150,7 @@ def test_corrupt_latest_without_manifest_falls_back(tmp_path, straight):
   itself sends the run back to step 4."""
   wd = _copy(straight, tmp_path)
   six = os.path.join(wd, "checkpoints", "6")
-  os.remove(os.path.join(six, ckpt_lib.MANIFEST))
+  os.remove(os.path.join(six, manifest.MANIFEST))
   os.remove(os.path.join(six, "params", "manifest.ocdbt"))
   _resume_and_compare(wd, straight, warn_match="checkpoint step 6 in .* is corrupt .*; "
                       "falling back to step 4")

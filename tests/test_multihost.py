@@ -420,13 +420,13 @@ def test_resume_with_other_process_count_is_a_clear_error(two_process_run, tmp_p
   one message (and no checkpoint is touched)."""
   import jax  # pylint: disable=g-import-not-at-top
   from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   from lca_jax.train import loop  # pylint: disable=g-import-not-at-top
+  from lca_jax.train.run_config import ConfigMismatchError  # pylint: disable=g-import-not-at-top
   wd = str(tmp_path / "copy")
   shutil.copytree(two_process_run["workdir"], wd)
   before = sorted(os.listdir(os.path.join(wd, "checkpoints")))
   cfg = configs_io.apply_overrides(configs_io.load_config(CONFIG),
                                    TINY + MESH4 + [f"train.steps={STEPS + 2}"])
-  with pytest.raises(ckpt_lib.ConfigMismatchError, match="written by 2 processes, this run has 1"):
+  with pytest.raises(ConfigMismatchError, match="written by 2 processes, this run has 1"):
     loop.train_and_evaluate(cfg, wd, devices=jax.devices()[:4])
   assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == before

@@ -10,7 +10,7 @@ import pytest
 
 from lca_jax import vocab
 from lca_jax.data import sft, sft_format
-from lca_jax.data.sources import DataError
+from lca_jax.data.errors import DataError
 
 CHAT = {"messages": [{"role": "system", "content": "Be nice."}, {"role": "user", "content": "Hi"},
                      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"},

@@ -69,11 +69,11 @@ def main(argv=None) -> int:
 
   from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top
   from lca_jax.interop import convert  # pylint: disable=g-import-not-at-top
-  from lca_jax.interop.upstream import CheckpointError  # pylint: disable=g-import-not-at-top
+  from lca_jax.interop.errors import CheckpointError  # pylint: disable=g-import-not-at-top
   from lca_jax.model.config import ConfigError  # pylint: disable=g-import-not-at-top
   errors = (convert.ConvertError, CheckpointError, LoadError, ConfigError, OSError)
   if config is not None:
-    from lca_jax.data.sources import DataError  # pylint: disable=g-import-not-at-top
+    from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
     from lca_jax.train import sharding  # pylint: disable=g-import-not-at-top
     from lca_jax.train.errors import TrainError  # pylint: disable=g-import-not-at-top
     errors += (DataError, TrainError, sharding.MeshError)

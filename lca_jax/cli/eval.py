@@ -170,7 +170,7 @@ def _cmd_sweep(a) -> int:
 def main(argv=None) -> int:
   a = _parser().parse_args(argv)
   from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top
-  from lca_jax.data.sources import DataError  # pylint: disable=g-import-not-at-top
+  from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
   from lca_jax.decode.engine import DecodeError  # pylint: disable=g-import-not-at-top
   from lca_jax.eval.tasks import TaskError  # pylint: disable=g-import-not-at-top
   try:

@@ -78,9 +78,11 @@ def main(argv=None) -> int:
     return _fail(str(e))
 
   from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top
-  from lca_jax.data.sources import DataError  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import checkpoint, distributed, loop, sharding  # pylint: disable=g-import-not-at-top
+  from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
+  from lca_jax.train import distributed, loop, sharding  # pylint: disable=g-import-not-at-top
   from lca_jax.train.errors import NonFiniteLossError, TrainError  # pylint: disable=g-import-not-at-top
+  from lca_jax.train.manifest import CorruptCheckpointError  # pylint: disable=g-import-not-at-top
+  from lca_jax.train.run_config import ConfigMismatchError  # pylint: disable=g-import-not-at-top
 
   try:
     watchdog = float(args.watchdog if args.watchdog is not None
@@ -102,8 +104,8 @@ def main(argv=None) -> int:
     result = loop.train_and_evaluate(config, args.workdir, watchdog=watchdog)
   except NonFiniteLossError as e:
     return _fail_multi(multi, str(e), 1)
-  except (ConfigError, DataError, TrainError, checkpoint.ConfigMismatchError,
-          checkpoint.CorruptCheckpointError, sharding.MeshError, LoadError) as e:
+  except (ConfigError, DataError, TrainError, ConfigMismatchError,
+          CorruptCheckpointError, sharding.MeshError, LoadError) as e:
     return _fail_multi(multi, str(e))
   except KeyboardInterrupt:
     print("lca-train: interrupted", file=sys.stderr)

@@ -28,7 +28,7 @@ import grain
 import numpy as np
 
 from lca_jax import vocab
-from lca_jax.data.sources import SKIP_REASONS, Skipped
+from lca_jax.data.errors import SKIP_REASONS, Skipped
 
 PACKING_MODES = ("concat", "segmented")
 

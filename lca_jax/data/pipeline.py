@@ -42,8 +42,9 @@ import grain
 import numpy as np
 from grain.experimental import index_shuffle
 
+from lca_jax.data.errors import DataError
 from lca_jax.data.packing import PackIterDataset, encode_document
-from lca_jax.data.sources import DataError, DocumentIndex, open_index
+from lca_jax.data.sources import DocumentIndex, open_index
 
 
 class DocumentOrder(Sequence):

@@ -21,10 +21,12 @@ from typing import Sequence
 import grain
 import numpy as np
 
+from lca_jax.data.errors import DataError, Skipped
 from lca_jax.data.pipeline import DocumentOrder, Pipeline
+from lca_jax.data.readers import JsonlReader
 from lca_jax.data.sft_format import (SFT_FORMATS, ExampleError, encode_example, expand_qa, format_prompt,
                                      line_number, read_jsonl)
-from lca_jax.data.sources import DataError, JsonlReader, Skipped, build_index, expand_files
+from lca_jax.data.sources import build_index, expand_files
 
 SFT_PACKING = ("segmented", "single")
 SFT_SKIP_REASONS = ("bad_json", "bad_example", "too_long", "no_target")
@@ -46,10 +48,7 @@ class SftJsonlReader(JsonlReader):
         path = self.paths[file_idx]
         raise DataError(f"{path}:{line_number(path, start)}: {msg}")
 
-    def read(self, file_idx, part, row):
-        line = self._bytes(file_idx, row)
-        if line is None:
-            return Skipped("unreadable")
+    def _decode(self, line, file_idx, row):
         try:
             obj = json.loads(line)
         except (UnicodeDecodeError, ValueError) as e:

@@ -53,7 +53,8 @@ from typing import Sequence
 import numpy as np
 
 from lca_jax import vocab
-from lca_jax.data.sources import DataError, _read_bytes
+from lca_jax.data.errors import DataError
+from lca_jax.data.readers import _read_bytes
 
 SFT_FORMATS = ("chat", "translation", "summarization", "qa")
 PROMPT_FORMATS = SFT_FORMATS + ("ifeval",)

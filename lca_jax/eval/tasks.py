@@ -36,7 +36,8 @@ import numpy as np
 
 from lca_jax.data import sft_format
 from lca_jax.decode import engine
-from lca_jax.data.sources import DataError, _read_bytes
+from lca_jax.data.errors import DataError
+from lca_jax.data.readers import _read_bytes
 from lca_jax.eval import ifeval, metrics
 
 TASKS = ("summarization", "translation", "qa", "ifeval")

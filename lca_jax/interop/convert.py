@@ -34,6 +34,7 @@ from typing import Any, Optional
 import numpy as np
 
 from lca_jax.interop import upstream
+from lca_jax.interop.errors import CheckpointError
 from lca_jax.model.config import ConfigError, ModelConfig
 
 VOCAB_MULTIPLE = 128
@@ -64,8 +65,9 @@ def _prepare_out(out: str, force: bool, src: Optional[str] = None, workdir: bool
       _check_kind(out, workdir)
       if workdir:
         from lca_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+        from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
         shutil.rmtree(os.path.join(out, ckpt_lib.CKPT_DIR), ignore_errors=True)
-        cfg_file = os.path.join(out, ckpt_lib.CONFIG_FILE)
+        cfg_file = os.path.join(out, run_config.CONFIG_FILE)
         if os.path.exists(cfg_file):
           os.remove(cfg_file)
   try:
@@ -97,7 +99,7 @@ def export_params(params, cfg: ModelConfig, out: str, dtype: str = "float32", *,
   out = _prepare_out(out, force)
   try:
     upstream.write_dir(out, params, cfg, dtype)
-  except upstream.CheckpointError as e:
+  except CheckpointError as e:
     raise ConvertError(str(e)) from None
   return out
 
@@ -119,7 +121,7 @@ def to_torch(src, out: str, dtype: str = "float32", *, step: Optional[int] = Non
     _check_out_free(out_abs, force)
     try:
       model = api.load(src, step=step)
-    except (api.LoadError, upstream.CheckpointError, ConfigError, FileNotFoundError) as e:
+    except (api.LoadError, CheckpointError, ConfigError, FileNotFoundError) as e:
       raise ConvertError(str(e)) from None
   return export_params(model.params, model.cfg, out, dtype, force=force)
 
@@ -163,11 +165,12 @@ def write_workdir(out: str, params, cfg: ModelConfig, *, meta: Optional[dict] = 
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from lca_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
   from lca_jax.train import state as st  # pylint: disable=g-import-not-at-top
 
   dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   arrays = jax.tree_util.tree_map(lambda a: jax.device_put(np.asarray(a, np.float32), dev), params)
-  ckpt_lib.write_run_config(out, {"model": cfg.to_dict()}, cfg)
+  run_config.write_run_config(out, {"model": cfg.to_dict()}, cfg)
   handlers = {name: ocp.StandardCheckpointHandler() for name in ("params", "step", "rng")}
   handlers["meta"] = ocp.JsonCheckpointHandler()
   opts = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
@@ -212,6 +215,7 @@ def write_resumable_workdir(out: str, params, cfg: ModelConfig, config, *,
   from lca_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   from lca_jax.train import inputs  # pylint: disable=g-import-not-at-top
   from lca_jax.train import loop  # pylint: disable=g-import-not-at-top
+  from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
   from lca_jax.train import sharding as shd  # pylint: disable=g-import-not-at-top
   from lca_jax.train import state as st  # pylint: disable=g-import-not-at-top
 
@@ -234,7 +238,7 @@ def write_resumable_workdir(out: str, params, cfg: ModelConfig, config, *,
     data_state = pipeline.get_state()
   finally:
     pipeline.close()
-  ckpt_lib.write_run_config(out, config.to_dict(), model_cfg)
+  run_config.write_run_config(out, config.to_dict(), model_cfg)
   ck = ckpt_lib.Checkpointer(out, keep=int(config.train.keep_checkpoints), async_save=False)
   try:
     ck.save(state, data_state, meta=dict(meta or {}, model=model_cfg.to_dict(), bytes_seen=0))
@@ -283,7 +287,7 @@ def from_torch(src: str, out: str, *, vocab_size: Optional[int] = None, config: 
     vocab_size = int(config.model.vocab_size)
   try:
     cfg, params, _ = read_torch_dir(src, vocab_size)
-  except upstream.CheckpointError as e:
+  except CheckpointError as e:
     raise ConvertError(str(e)) from None
   meta = {"imported_from": os.path.abspath(src)}
   out = _prepare_out(out, force, src, workdir=True)

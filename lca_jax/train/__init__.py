@@ -4,8 +4,9 @@
     result = train_and_evaluate(config, "workdirs/run")   # resumes if the workdir has a checkpoint
 
 Modules: sharding (mesh, logical rules), optim (Adam + warmup/cosine), state (TrainState,
-sharded init), step (train/eval steps), checkpoint (orbax, load_for_inference), metrics
+sharded init), step (train/eval steps), checkpoint (orbax, load_for_inference), run_config
+(train_config.json, resume checks), manifest (checkpoint integrity), metrics
 (jsonl/TensorBoard/MFU), inputs (batch plan, data sources and pipelines of a config), stop
 (SIGTERM / request_stop), errors (TrainError), loop (train_and_evaluate). Imported lazily:
-``lca_jax.load`` only needs ``checkpoint``.
+``lca_jax.load`` only needs ``checkpoint`` (and the run_config / manifest it imports).
 """

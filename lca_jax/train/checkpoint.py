@@ -2,6 +2,7 @@
 
 Layout of WORKDIR:
   train_config.json      {"model": ModelConfig fields, "config": the full run config}
+                         (written, read and checked on resume by train/run_config.py)
   checkpoints/<step>/    orbax Composite items
       params, opt_state               StandardSave (sharded arrays; restorable onto any mesh)
       step, rng                       StandardSave of {"step": int32} and {"key": uint32[2]}
@@ -19,10 +20,11 @@ Fault tolerance:
     leaves only the tmp directory, which is never listed as a step (so never restored) and is
     deleted when the next run opens the directory.
   * Once a step is committed, process 0 writes ``<step>/lca_manifest.json`` (every file of
-    the step and its size). ``restore_latest`` checks it before restoring: a step with a missing
-    or truncated file, or one that fails to restore, is skipped and the previous step restored;
-    the skipped steps are then moved to ``WORKDIR/corrupt_checkpoints/`` with a
-    ``CorruptCheckpointWarning`` naming them (nothing is moved when no step restores).
+    the step and its size; see train/manifest.py). ``restore_latest`` checks it before
+    restoring: a step with a missing or truncated file, or one that fails to restore, is
+    skipped and the previous step restored; the skipped steps are then moved to
+    ``WORKDIR/corrupt_checkpoints/`` with a ``CorruptCheckpointWarning`` naming them (nothing
+    is moved when no step restores).
     (In a multi-process run the manifest check is agreed by all processes; a failure inside
     orbax's restore on only some processes cannot be recovered from safely, so it is an error
     naming the step to move away.)
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import warnings
 from typing import Any, Optional
@@ -40,38 +41,12 @@ import jax
 import orbax.checkpoint as ocp
 
 from lca_jax.model.config import ModelConfig
+from lca_jax.train.manifest import (MANIFEST, CorruptCheckpointError, CorruptCheckpointWarning, _short,
+                                    check_process_count, verify_step, write_manifest)
+from lca_jax.train.run_config import CONFIG_FILE, read_run_config
 
 CKPT_DIR = "checkpoints"
-CONFIG_FILE = "train_config.json"
-
-# Config fields that may differ between a checkpoint and the run resuming it.
-RESUME_MUTABLE = (
-    "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-    "train.checkpoint_every", "train.keep_checkpoints", "train.progress_bar", "train.init_from",
-    "train.micro_batch_size", "train.peak_tflops", "train.tensorboard",
-    "train.async_checkpointing", "data.eval_files", "model.attention_impl", "model.remat",
-    "model.max_seq_len",
-    "mesh.data", "mesh.fsdp", "mesh.tensor",
-)
-
-
-MANIFEST = "lca_manifest.json"
 CORRUPT_DIR = "corrupt_checkpoints"
-# Files orbax may still rewrite after the commit; not part of the manifest.
-_UNSEALED = frozenset({MANIFEST, MANIFEST + ".tmp", "_CHECKPOINT_METADATA"})
-
-
-class ConfigMismatchError(ValueError):
-  """The run config differs from the one that wrote the checkpoint being resumed."""
-
-
-class CorruptCheckpointError(RuntimeError):
-  """No checkpoint of the work directory can be restored (or one cannot, in a multi-process
-  run, where falling back is not safe)."""
-
-
-class CorruptCheckpointWarning(UserWarning):
-  """A checkpoint step was unreadable and set aside; an earlier one is used."""
 
 
 class _IteratorSnapshot:
@@ -101,71 +76,6 @@ def _grain_restore(data):
     return data.restore_args()
   import grain  # pylint: disable=g-import-not-at-top
   return grain.checkpoint.CheckpointRestore(data)
-
-
-# ---- run config ---------------------------------------------------------------------------
-def flatten(d: dict, prefix: str = "") -> dict:
-  out = {}
-  for k, v in d.items():
-    key = f"{prefix}{k}"
-    if isinstance(v, dict):
-      out.update(flatten(v, key + "."))
-    else:
-      out[key] = v
-  return out
-
-
-def write_run_config(workdir: str, config: dict, model_cfg: ModelConfig) -> None:
-  if jax.process_index() != 0:
-    return
-  path = os.path.join(workdir, CONFIG_FILE)
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump({"model": model_cfg.to_dict(), "config": config}, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
-
-
-def read_run_config(workdir: str) -> Optional[dict]:
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.isfile(path):
-    return None
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
-
-
-def config_diff(saved: dict, current: dict, mutable=RESUME_MUTABLE) -> list:
-  """[(key, saved value, current value)] for fields that must match to resume."""
-  a, b = flatten(saved), flatten(current)
-  diffs = []
-  for k in sorted(set(a) | set(b)):
-    if k in mutable:
-      continue
-    va, vb = a.get(k, "<absent>"), b.get(k, "<absent>")
-    if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and not isinstance(va, bool):
-      if float(va) == float(vb):
-        continue
-    if va != vb:
-      diffs.append((k, va, vb))
-  return diffs
-
-
-def check_resume_config(workdir: str, config: dict) -> None:
-  saved = read_run_config(workdir)
-  if saved is None:
-    return
-  old = dict(saved.get("config", {}))
-  # Model fields added to ModelConfig after the checkpoint was written take their defaults.
-  defaults = ModelConfig().to_dict()
-  old["model"] = dict({k: v for k, v in defaults.items() if k in config.get("model", {})},
-                      **old.get("model", {}))
-  diffs = config_diff(old, config)
-  if diffs:
-    shown = "; ".join(f"{k}: checkpoint {va!r}, now {vb!r}" for k, va, vb in diffs[:12])
-    more = f" (+{len(diffs) - 12} more)" if len(diffs) > 12 else ""
-    raise ConfigMismatchError(
-        f"the config does not match the checkpoint in {workdir}: {shown}{more}. "
-        "Use the checkpoint's values, or a new --workdir (train.init_from=<workdir> starts "
-        "from its params).")
 
 
 # ---- the manager --------------------------------------------------------------------------
@@ -307,78 +217,6 @@ class Checkpointer:
         f"no readable checkpoint in {self.directory}: " +
         "; ".join(f"step {s}: {r}" for s, r in bad) +
         " (nothing was moved; move the damaged steps away, or use a new --workdir)")
-
-
-def _short(e: BaseException, limit: int = 300) -> str:
-  msg = " ".join(str(e).split()) or type(e).__name__
-  return msg if len(msg) <= limit else msg[:limit] + "..."
-
-
-# ---- manifests -----------------------------------------------------------------------------
-def _files(step_dir: str) -> dict:
-  out = {}
-  for root, _, names in os.walk(step_dir):
-    for name in names:
-      path = os.path.join(root, name)
-      rel = os.path.relpath(path, step_dir)
-      if rel in _UNSEALED:
-        continue
-      out[rel] = os.path.getsize(path)
-  return out
-
-
-def write_manifest(step_dir: str, step: int) -> None:
-  """Record every file of the committed step ``step_dir`` and its size (process 0 only)."""
-  if jax.process_index() != 0 or not os.path.isdir(step_dir):
-    return  # deleted by max_to_keep meanwhile
-  files = _files(step_dir)
-  tmp = os.path.join(step_dir, MANIFEST + ".tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump({"step": int(step), "files": files}, f, indent=0, sort_keys=True)
-  os.replace(tmp, os.path.join(step_dir, MANIFEST))
-
-
-def verify_step(step_dir: str) -> Optional[str]:
-  """None when every file of the step's manifest is present with its recorded size (or the
-  step has no manifest: written by an older version, or the run died before sealing it);
-  else what is wrong."""
-  path = os.path.join(step_dir, MANIFEST)
-  if not os.path.isfile(path):
-    return None if os.path.isdir(step_dir) else "missing"
-  try:
-    with open(path, encoding="utf-8") as f:
-      files = json.load(f)["files"]
-  except (OSError, ValueError, KeyError) as e:
-    return f"unreadable {MANIFEST}: {_short(e)}"
-  problems = []
-  for rel, size in sorted(files.items()):
-    full = os.path.join(step_dir, rel)
-    if not os.path.isfile(full):
-      problems.append(f"{rel} missing")
-    elif os.path.getsize(full) != size:
-      problems.append(f"{rel} has {os.path.getsize(full)} of {size} bytes")
-  if not problems:
-    return None
-  more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
-  return "; ".join(problems[:3]) + more
-
-
-def check_process_count(step_dir: str, n: int) -> None:
-  """A ``ConfigMismatchError`` when the step's data-iterator state was written by another
-  number of processes (each process checkpoints its own position in its shard of the data)."""
-  data = os.path.join(step_dir, "data")
-  if not os.path.isdir(data):
-    return
-  counts = set()
-  for name in os.listdir(data):
-    m = re.fullmatch(r"process_\d+-of-(\d+)\.json", name)
-    if m:
-      counts.add(int(m.group(1)))
-  if counts and n not in counts:
-    raise ConfigMismatchError(
-        f"the checkpoint in {os.path.dirname(step_dir)} was written by {max(counts)} processes, "
-        f"this run has {n}: resume it with {max(counts)} processes (any number of devices per "
-        "process), or start a new --workdir with train.init_from=<this workdir> (params only)")
 
 
 def set_aside(workdir: str, step: int) -> Optional[str]:

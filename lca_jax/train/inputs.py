@@ -163,10 +163,11 @@ def make_eval_pipeline(config, plan: BatchPlan):
 def check_data_files(config) -> None:
   """Fail early (before compiling anything) when a data glob matches nothing."""
   from lca_jax.data import sources  # pylint: disable=g-import-not-at-top
+  from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
   for name, src in data_sources(config).items():
     if src is None or src["format"] == "tfds":
       continue
     try:
       sources.expand_files(src["files"])
-    except sources.DataError as e:
-      raise sources.DataError(f"data.{name}_files: {e}") from None
+    except DataError as e:
+      raise DataError(f"data.{name}_files: {e}") from None

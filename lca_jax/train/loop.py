@@ -29,11 +29,13 @@ from lca_jax.train import checkpoint as ckpt_lib
 from lca_jax.train import inputs
 from lca_jax.train import metrics as met
 from lca_jax.train import optim
+from lca_jax.train import run_config
 from lca_jax.train import sharding as shd
 from lca_jax.train import state as st
 from lca_jax.train import step as step_lib
 from lca_jax.train import stop as stop_lib
 from lca_jax.train.errors import NonFiniteLossError, TrainError
+from lca_jax.train.manifest import CorruptCheckpointError
 from lca_jax.train.stop import request_stop  # noqa: F401  (public API: loop.request_stop)
 
 
@@ -155,7 +157,7 @@ def load_init_params(setup: Setup, source: str):
                        f"({'; '.join(bad[:6])})")
     try:
       return ckpt_lib.restore_params(source, want)
-    except (FileNotFoundError, ckpt_lib.CorruptCheckpointError) as e:
+    except (FileNotFoundError, CorruptCheckpointError) as e:
       raise TrainError(f"train.init_from: {e}") from None
   import lca_jax  # pylint: disable=g-import-not-at-top
   try:
@@ -234,8 +236,8 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
     stop_lib.ACTIVE.append(stop)
     latest = ckpt.latest_step()
     if latest is not None:
-      ckpt_lib.check_resume_config(workdir, cfg_dict)
-    ckpt_lib.write_run_config(workdir, cfg_dict, model_cfg)
+      run_config.check_resume_config(workdir, cfg_dict)
+    run_config.write_run_config(workdir, cfg_dict, model_cfg)
     pipeline = inputs.make_train_pipeline(config, plan)
 
     with shd.mesh_context(mesh):
