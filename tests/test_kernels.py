@@ -1,7 +1,8 @@
 """Tests for lca_jax.kernels: mask semantics, XLA reference, Pallas kernels.
 
-Pallas kernels run in interpret mode on CPU; a separate test lowers them for
-CUDA (no GPU needed) so Triton's shape rules are checked.
+Pallas kernels run in interpret mode on CPU and are compiled by Triton on a GPU (the same
+tests; `tools/gpu_check.sh`); a separate test lowers them for CUDA (no GPU needed) so
+Triton's shape rules are checked.
 """
 
 import os
@@ -19,6 +20,8 @@ from lca_jax.kernels import (  # noqa: E402
     lca_attention, lca_attention_reference, lca_key_start, lca_mask)
 from lca_jax.kernels.lca_attention import (  # noqa: E402
     key_block_query_bounds, query_block_key_bounds)
+
+INTERPRET = jax.default_backend() == "cpu"  # on a GPU the kernels are compiled for real
 
 # ----------------------------------------------------------------------------
 # Input builders.
@@ -184,14 +187,14 @@ _FAST_COMPILE = {"xla_backend_optimization_level": 0,
 
 
 def run_fast(fn, *args):
-  """``jax.jit(fn)(*args)`` compiled with ``_FAST_COMPILE``."""
-  return jax.jit(fn).lower(*args).compile(_FAST_COMPILE)(*args)
+  """``jax.jit(fn)(*args)`` compiled with ``_FAST_COMPILE`` (on CPU)."""
+  return jax.jit(fn).lower(*args).compile(_FAST_COMPILE if INTERPRET else None)(*args)
 
 
 def out_and_grads(q, k, v, w, seg, doc, impl, block_q, block_k):
   """Output and (dq, dk, dv) of the linear functional ``sum(w * out)``."""
   def loss(q, k, v):
-    out = lca_attention(q, k, v, seg, doc_ids=doc, impl=impl, interpret=True,
+    out = lca_attention(q, k, v, seg, doc_ids=doc, impl=impl, interpret=INTERPRET,
                         block_q=block_q, block_k=block_k)
     return jnp.sum(w * out.astype(jnp.float32)), out
   grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
@@ -238,7 +241,7 @@ def test_pallas_pads_head_dim():
   seg, doc = scenario_rows(rng, 32)
   q, k, v = random_qkv(rng, 4, 32, 2, 1, 24, jnp.float32)
   ref = run_fast(lca_attention_reference, q, k, v, seg, doc)
-  pallas = functools.partial(lca_attention, impl="pallas", interpret=True,
+  pallas = functools.partial(lca_attention, impl="pallas", interpret=INTERPRET,
                              block_q=16, block_k=16)
   out = run_fast(lambda q, k, v, seg, doc: pallas(q, k, v, seg, doc_ids=doc), q, k, v, seg, doc)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
