@@ -48,18 +48,22 @@ def rope(x_BTHE, positions_BT, base: float):
   return (xf * cos + rotated * sin).astype(x_BTHE.dtype)
 
 
-def masked_attention(q_BTHE, k_BSKE, v_BSKE, mask_BTS):
-  """Reference attention with a dense boolean mask; rows with no allowed key give zeros."""
-  h, kv = q_BTHE.shape[2], k_BSKE.shape[2]
+def masked_attention(q_BTHE, k, v, mask_BTS, *, head_major: bool = False):
+  """Reference attention with a dense boolean mask; rows with no allowed key give zeros.
+
+  k, v are [B, S, K, E], or [B, K, S, E] with ``head_major`` (decode caches: both products
+  then contract without moving the cache; [B, S, K, E] would cost a full transpose per step).
+  """
+  kv_spec = "bkse" if head_major else "bske"
+  h, kv = q_BTHE.shape[2], k.shape[1 if head_major else 2]
   b, t, _, e = q_BTHE.shape
   q = q_BTHE.reshape(b, t, kv, h // kv, e)
-  scores = jnp.einsum("btkge,bske->bkgts", q, k_BSKE, preferred_element_type=jnp.float32)
+  scores = jnp.einsum(f"btkge,{kv_spec}->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = scores / jnp.sqrt(jnp.float32(e))
   m = mask_BTS[:, None, None, :, :]
   scores = jnp.where(m, scores, NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1)
-  probs = jnp.where(m, probs, 0.0)
-  out = jnp.einsum("bkgts,bske->btkge", probs.astype(v_BSKE.dtype), v_BSKE,
+  probs = jnp.where(m, jax.nn.softmax(scores, axis=-1), 0.0)
+  out = jnp.einsum(f"bkgts,{kv_spec}->btkge", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   return out.reshape(b, t, h, e).astype(q_BTHE.dtype)
 
@@ -70,22 +74,6 @@ def write_rows(cache_BS, new_BT, start_B, axis: int = 0):
   def one(c, n, s):
     return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=axis)
   return jax.vmap(one)(cache_BS, new_BT, start_B)
-
-
-def cached_attention(q_BTHE, k_BKSE, v_BKSE, mask_BTS):
-  """``masked_attention`` against a KV cache stored head-major ([B, K, S, E]): both products
-  contract without moving the cache (a [B, S, K, E] cache costs a full transpose per step)."""
-  h, kv = q_BTHE.shape[2], k_BKSE.shape[1]
-  b, t, _, e = q_BTHE.shape
-  q = q_BTHE.reshape(b, t, kv, h // kv, e)
-  scores = jnp.einsum("btkge,bkse->bkgts", q, k_BKSE, preferred_element_type=jnp.float32)
-  scores = scores / jnp.sqrt(jnp.float32(e))
-  m = mask_BTS[:, None, None, :, :]
-  scores = jnp.where(m, scores, NEG_INF)
-  probs = jnp.where(m, jax.nn.softmax(scores, axis=-1), 0.0)
-  out = jnp.einsum("bkgts,bkse->btkge", probs.astype(v_BKSE.dtype), v_BKSE,
-                   preferred_element_type=jnp.float32)
-  return out.reshape(b, t, h, e).astype(q_BTHE.dtype)
 
 
 class Attention(nn.Module):
@@ -118,12 +106,12 @@ class Attention(nn.Module):
     if cache is not None:
       k_all = write_rows(cache[0], k.transpose(0, 2, 1, 3), write_B, axis=1)
       v_all = write_rows(cache[1], v.transpose(0, 2, 1, 3), write_B, axis=1)
-      if window_B is None:
-        out = cached_attention(q, k_all, v_all, mask_BTS)
-      else:
+      k_att, v_att = k_all, v_all
+      if window_B is not None:
         w = mask_BTS.shape[-1]
         win = jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, w, axis=1))
-        out = cached_attention(q, win(k_all, window_B), win(v_all, window_B), mask_BTS)
+        k_att, v_att = win(k_all, window_B), win(v_all, window_B)
+      out = masked_attention(q, k_att, v_att, mask_BTS, head_major=True)
       new_kv = (k_all, v_all)
     else:
       out = kernel(q, k, v) if kernel is not None else masked_attention(q, k, v, mask_BTS)
