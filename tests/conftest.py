@@ -45,6 +45,21 @@ TRAIN_TINY = ["model.d_model=32", "model.d_inner=64", "model.n_heads=2", "model.
               "train.tensorboard=False", "optim.warmup_steps=2", "optim.lr=3e-3",
               "optim.decay_steps=40"]
 
+
+
+def host_params(state):
+  """A train state's params as host numpy arrays."""
+  return jax.tree_util.tree_map(np.asarray, jax.device_get(state.params))
+
+
+def assert_trees_equal(a, b):
+  """Same number of leaves, each bit-identical."""
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(x, y)
+
+
 REF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "reference")
 REF_NAMES = ("lca_small", "lca_gqa", "fxt_small")
 

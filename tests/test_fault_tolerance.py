@@ -13,8 +13,6 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,6 +24,7 @@ _spec = importlib.util.spec_from_file_location(
 mh = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mh)
 
+from conftest import assert_trees_equal, host_params  # noqa: E402
 import lca_jax  # noqa: E402
 from lca_jax import configs_io  # noqa: E402
 from lca_jax.cli import train as cli  # noqa: E402
@@ -42,17 +41,6 @@ MULTI = os.path.join(ROOT, "launch", "multiprocess.sh")
 def tiny_config(*overrides):
   c = configs_io.load_config(mh.CONFIG)
   return configs_io.apply_overrides(c, mh.TINY + list(overrides))
-
-
-def host_params(state):
-  return jax.tree_util.tree_map(np.asarray, jax.device_get(state.params))
-
-
-def assert_trees_equal(a, b):
-  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-  assert len(la) == len(lb)
-  for x, y in zip(la, lb):
-    np.testing.assert_array_equal(x, y)
 
 
 @pytest.fixture(scope="module")

@@ -168,7 +168,8 @@ def test_sharded_kernel_gathers_nothing():
 # ---- sharded train step: pallas == xla -----------------------------------------------------
 def test_sharded_train_step_pallas_matches_xla(fast_compile):
   del fast_compile
-  from test_train import _batches, host_params, tiny_config  # pylint: disable=g-import-not-at-top
+  from conftest import host_params  # pylint: disable=g-import-not-at-top
+  from test_train import _batches, tiny_config  # pylint: disable=g-import-not-at-top
   from lca_jax.train import loop  # pylint: disable=g-import-not-at-top
 
   batches = [{k: np.asarray(v) for k, v in b.items()} for b in _batches(1)]

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from conftest import TRAIN_TINY  # noqa: E402
+from conftest import TRAIN_TINY, assert_trees_equal, host_params  # noqa: E402
 from lca_jax import configs_io  # noqa: E402
 from lca_jax.cli import train as cli  # noqa: E402
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
@@ -34,17 +34,6 @@ N = 3  # exact-resume tests: 2N steps straight vs N + N
 def tiny_config(*overrides):
   c = configs_io.load_config(os.path.join(ROOT, "configs", "tiny_lca_mbp.py"))
   return configs_io.apply_overrides(c, TINY + list(overrides))
-
-
-def host_params(state):
-  return jax.tree_util.tree_map(np.asarray, jax.device_get(state.params))
-
-
-def assert_trees_equal(a, b):
-  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-  assert len(la) == len(lb)
-  for x, y in zip(la, lb):
-    np.testing.assert_array_equal(x, y)
 
 
 class Recorder:
