@@ -62,13 +62,8 @@ done
 [[ -n "$mode" ]] || usage 2
 train_args=("$@")
 
-if [[ -n "${LCA_TRAIN:-}" ]]; then
-  read -r -a train_cmd <<< "$LCA_TRAIN"
-elif command -v lca-train > /dev/null 2>&1; then
-  train_cmd=(lca-train)
-else
-  train_cmd=("${PYTHON:-python3}" -m lca_jax.cli.train)
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/train_cmd.sh"
+train_cmd=("${LCA_TRAIN_CMD[@]}")
 
 common=()
 [[ -n "$heartbeat" ]] && common+=(--heartbeat-timeout "$heartbeat")

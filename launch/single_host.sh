@@ -9,13 +9,8 @@
 # multi-process run (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, SLURM_NTASKS)
 # are cleared. LCA_TRAIN overrides the command (default lca-train, else python -m).
 set -euo pipefail
-if [[ -n "${LCA_TRAIN:-}" ]]; then
-  read -r -a cmd <<< "$LCA_TRAIN"
-elif command -v lca-train > /dev/null 2>&1; then
-  cmd=(lca-train)
-else
-  cmd=("${PYTHON:-python3}" -m lca_jax.cli.train)
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/train_cmd.sh"
+cmd=("${LCA_TRAIN_CMD[@]}")
 [[ -n "${GPUS:-}" ]] && export CUDA_VISIBLE_DEVICES="$GPUS"
 unset JAX_COORDINATOR_ADDRESS JAX_NUM_PROCESSES JAX_PROCESS_ID JAX_LOCAL_DEVICE_IDS
 export SLURM_NTASKS=1
