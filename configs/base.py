@@ -67,16 +67,17 @@ def base_config() -> ml_collections.ConfigDict:
 def paper_model(**overrides) -> ml_collections.ConfigDict:
   """Paper scale (Table 2): d 1024, inner 4096, 8 heads / 8 kv heads, bf16 compute."""
   kw = dict(d_model=1024, d_inner=4096, n_heads=8, n_kv_heads=8, dropout=0.1, dtype="bfloat16",
-            max_latent_ratio=0.5, vocab_size=384)
+            max_latent_ratio=0.0, vocab_size=384)
   kw.update(overrides)
   return model_config(**kw)
 
 
 def tiny_model(**overrides) -> ml_collections.ConfigDict:
   """A CPU-sized model (~0.36M params): `make demo` trains it (tiny_config) in a few minutes on
-  2 cores. max_latent_ratio 0.5 halves the latent stack (learned groups average ~3 bytes)."""
+  2 cores. max_latent_ratio 0 (auto, ModelConfig.latent_ratio) sizes the latent stack from the
+  boundary prior (0.5 slots per byte at T 128; learned groups average ~3 bytes)."""
   kw = dict(d_model=64, d_inner=192, n_heads=4, n_kv_heads=2, dropout=0.0, vocab_size=384,
-            max_latent_ratio=0.5)
+            max_latent_ratio=0.0)
   kw.update(overrides)
   return model_config(**kw)
 

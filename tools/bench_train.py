@@ -29,11 +29,11 @@ def main(argv=None):
 
   import jax  # pylint: disable=g-import-not-at-top
   from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
-  from lca_jax.cli.train import _split_overrides  # pylint: disable=g-import-not-at-top
   from lca_jax.train import inputs, loop, metrics  # pylint: disable=g-import-not-at-top
   from lca_jax.train import sharding as shd  # pylint: disable=g-import-not-at-top
 
-  config = configs_io.apply_overrides(configs_io.load_config(args.config), _split_overrides(rest))
+  config = configs_io.apply_overrides(configs_io.load_config(args.config),
+                                     configs_io.split_overrides(rest))
   setup = loop.prepare(config)
   plan = setup.plan
   pipe = inputs.make_train_pipeline(config, plan)

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 KINDS = ("flat", "hierarchical")
 BOUNDARIES = ("learned", "spacebyte")
-ATTENTION_IMPLS = ("xla", "pallas")
+ATTENTION_IMPLS = ("xla", "dense", "pallas")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -44,12 +44,19 @@ class ModelConfig:
   bp_prior_std: float = 0.023
   bp_lower_k: float = 3.0
   spacebyte_max_group: int = 16
-  max_latent_ratio: float = 1.0
+  max_latent_ratio: float = 1.0  # latent slots per byte; 0 = auto (see latent_ratio)
   rope_base: float = 100000.0
   max_seq_len: int = 4096  # longest context (prompt + generation) the decoder accepts
   rms_eps: float = 1e-6
   dropout: float = 0.0
+  # "xla": blockwise attention in plain JAX (model/attention.py; every backend, no [T, T]
+  # buffer, masked tiles skipped); "dense": the dense-masked reference (tests, A/B);
+  # "pallas": the Triton kernels (GPU; interpreted on CPU).
   attention_impl: str = "xla"
+  attn_block_q: int = 128  # blockwise query block (causal stacks)
+  attn_block_k: int = 128  # blockwise key tile (causal stacks)
+  lca_block_q: int = 64  # LCA head query block; its key tile is lca_block_q + lca_lookback
+  lca_lookback: int = 32  # keys before a block that one LCA tile covers (more -> more tiles)
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: bool = False
 
@@ -65,7 +72,10 @@ class ModelConfig:
     check(self.n_heads % self.n_kv_heads == 0, f"n_heads {self.n_heads} not divisible by n_kv_heads {self.n_kv_heads}")
     check(self.vocab_size >= self.n_tokens, f"vocab_size {self.vocab_size} < n_tokens {self.n_tokens}")
     check(self.n_enc >= 1, "n_enc must be >= 1")
-    check(0.0 < self.max_latent_ratio <= 1.0, "max_latent_ratio must be in (0, 1]")
+    check(0.0 <= self.max_latent_ratio <= 1.0, "max_latent_ratio must be in [0, 1] (0 = auto)")
+    for name in ("attn_block_q", "attn_block_k", "lca_block_q"):
+      check(getattr(self, name) >= 1, f"{name} must be >= 1")
+    check(self.lca_lookback >= 0, "lca_lookback must be >= 0")
     if self.kind == "hierarchical":
       check(self.n_lm >= 1 and self.n_dec >= 1, "a hierarchical model needs n_lm >= 1 and n_dec >= 1")
       check(not (self.n_mbp and self.n_mlp_mbp), "choose either an LCA-MBP head (n_mbp) or MLP heads (n_mlp_mbp)")
@@ -100,9 +110,29 @@ class ModelConfig:
   def bp_beta(self) -> float:
     return self.bp_prior - self.bp_lower_k * self.bp_prior_std
 
+  def latent_ratio(self, seq_len: int) -> float:
+    """Latent slots per byte the latent stack is compiled for (``latent_capacity``).
+
+    ``max_latent_ratio > 0`` fixes it. ``0`` (auto) follows the compression the model is
+    trained to: learned boundaries: the boundary loss keeps each row's rate at or below the
+    prior alpha = ``bp_prior`` (a hinge above alpha), and a row's count of Bernoulli decisions
+    has standard deviation <= sqrt(alpha (1 - alpha) T), so the ratio is
+    alpha + 4 sqrt(alpha (1 - alpha) / T) (0.363 at T 4096, 0.5 at T 128). SpaceByte: rule
+    closes are never adjacent (a close needs a space-like byte after a non-space-like one), so
+    at most 1/2 plus one length close per ``spacebyte_max_group`` bytes. Groups beyond the
+    capacity are not pooled and are counted in the ``overflow`` metric (``pooling``): early in
+    training, before the rate reaches the prior, some rows overflow.
+    """
+    if self.max_latent_ratio > 0:
+      return self.max_latent_ratio
+    if self.boundaries == "spacebyte":
+      return min(1.0, 0.5 + 1.0 / self.spacebyte_max_group)
+    p = self.bp_prior
+    return min(1.0, p + 4.0 * math.sqrt(p * (1.0 - p) / max(seq_len, 1)))
+
   def latent_capacity(self, seq_len: int) -> int:
-    """Static number of latent slots S = 1 + ceil(T * max_latent_ratio) (slot 0 is the null group)."""
-    return 1 + int(math.ceil(seq_len * self.max_latent_ratio - 1e-9))
+    """Static number of latent slots S = 1 + ceil(T * latent_ratio(T)) (slot 0 is the null group)."""
+    return 1 + int(math.ceil(seq_len * self.latent_ratio(seq_len) - 1e-9))
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from lca_jax.model import boundaries as bnd
 from lca_jax.model import masks, pooling
+from lca_jax.model.attention import blockwise_attention
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.layers import RMSNorm, Stack, dense
 
@@ -70,13 +71,22 @@ class ByteLM(nn.Module):
 
   # ---- stages -------------------------------------------------------------------------------
   def _attend(self, group_BT, doc_BT, kind):
-    """(mask, kernel) for a self-attention stack: dense mask (xla) or Pallas kernel."""
-    if self.cfg.attention_impl == "pallas":
+    """(mask, kernel) for a self-attention stack: blockwise (xla), dense mask or Pallas."""
+    c = self.cfg
+    if c.attention_impl == "pallas":
       g = group_BT if kind == "lca" else jnp.zeros_like(doc_BT)
       return None, _pallas_kernel(g, doc_BT)
+    if c.attention_impl == "dense":
+      if kind == "lca":
+        return masks.lca_mask(group_BT, doc_BT), None
+      return masks.causal_mask(doc_BT), None
     if kind == "lca":
-      return masks.lca_mask(group_BT, doc_BT), None
-    return masks.causal_mask(doc_BT), None
+      lo = masks.lca_key_start(group_BT, doc_BT)
+      bq, bk = c.lca_block_q, c.lca_block_q + c.lca_lookback
+    else:
+      lo = masks.causal_key_start(doc_BT)
+      bq, bk = c.attn_block_q, c.attn_block_k
+    return None, functools.partial(blockwise_attention, lo_BT=lo, block_q=bq, block_k=bk)
 
   def embed(self, ids_BT):
     return self.token_embedding(ids_BT)

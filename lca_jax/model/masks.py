@@ -1,12 +1,23 @@
-"""Attention masks built inside jit from per-position ids (DESIGN §2).
+"""Attention masks built inside jit from per-position ids (docs/design.md, "Masks").
 
-Every mask is boolean ``[B, Tq, Tk]``: True = query may attend key. ``doc`` ids are 0 for
-padding (never attended, and a padded query attends nothing), otherwise a document id; two
+Every dense mask is boolean ``[B, Tq, Tk]``: True = query may attend key. ``doc`` ids are 0
+for padding (never attended, and a padded query attends nothing), otherwise a document id; two
 positions interact only when their doc ids are equal. With ``concat`` packing every doc id is 1.
+
+For self-attention over a packed row (documents are contiguous runs of equal non-zero ids)
+each training mask is an interval per query: key ``j`` is allowed iff ``lo_i <= j <= i``.
+``causal_key_start`` and ``lca_key_start`` give ``lo`` (``i + 1`` for a padded query, i.e. no
+key); the blockwise attention (``model/attention.py``) and the Pallas kernels consume ``lo``,
+the dense masks below are their reference (tests check both agree).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+
+from lca_jax.kernels.reference import lca_key_start
+
+__all__ = ["same_doc", "causal_mask", "lca_mask", "causal_key_start", "lca_key_start"]
 
 
 def same_doc(doc_q, doc_k):
@@ -45,3 +56,13 @@ def lca_mask(group_q, doc_q, group_k=None, doc_k=None, idx_q=None, idx_k=None):
   i, j = idx_q[:, :, None], idx_k[:, None, :]
   allowed = (j == i) | (gj == gi - 1) | ((gj == gi) & (j < i))
   return allowed & same_doc(doc_q, doc_k)
+
+
+def causal_key_start(doc_BT):
+  """lo_i for causal attention within documents: the first index of i's run of equal doc
+  ids, or i + 1 for padding (doc id 0). int32 [B, T], non-decreasing."""
+  b, t = doc_BT.shape
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  start = jnp.concatenate([jnp.ones((b, 1), bool), doc_BT[:, 1:] != doc_BT[:, :-1]], axis=1)
+  run_start = jax.lax.cummax(jnp.where(start, pos, 0), axis=1)
+  return jnp.where(doc_BT != 0, run_start, pos + 1)

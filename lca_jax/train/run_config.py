@@ -24,7 +24,8 @@ RESUME_MUTABLE = (
     "train.checkpoint_every", "train.keep_checkpoints", "train.progress_bar", "train.init_from",
     "train.micro_batch_size", "train.peak_tflops", "train.tensorboard",
     "train.async_checkpointing", "data.eval_files", "model.attention_impl", "model.remat",
-    "model.max_seq_len",
+    "model.max_seq_len", "model.attn_block_q", "model.attn_block_k", "model.lca_block_q",
+    "model.lca_lookback",
     "mesh.data", "mesh.fsdp", "mesh.tensor",
 )
 

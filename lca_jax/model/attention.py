@@ -1,0 +1,210 @@
+"""Blockwise (flash-style) self-attention in plain JAX for interval masks.
+
+Every training mask of the model family is an *interval mask*: query ``i`` may attend key
+``j`` iff ``lo_i <= j <= i``, where ``lo`` comes from :mod:`lca_jax.model.masks`
+(``causal_key_start``: the first byte of ``i``'s document; ``lca_key_start``: the first byte
+of the group before ``i``'s, see ``docs/design.md``). A query with no key (padding) has
+``lo_i = i + 1``.
+
+``blockwise_attention`` never builds a [T, T] array: queries are cut into blocks of
+``block_q`` rows; block ``n`` visits only the key tiles of ``block_k`` keys that cover
+``[min lo, max i]`` of its non-empty rows (taken over the batch, so one loop serves every row),
+starting at that minimum (tiles need not be aligned to ``block_k``), with an online softmax in
+float32. The number of tiles is computed inside the jitted step from ``lo`` (a
+``lax.fori_loop`` with a traced trip count), so masked-out work (the upper triangle, earlier
+documents, groups older than the previous one) is skipped, and a group longer than a block
+only means more tiles: the result stays exact. The backward pass (``jax.custom_vjp``)
+recomputes the probabilities tile by tile from the saved log-sum-exp (FlashAttention-2): one
+loop nest gives dq per query block and accumulates dk/dv into the visited key ranges.
+
+Shapes: B batch, T length, H query heads, K kv heads (GQA: query head h uses kv head
+h // (H // K)), G = H // K, E head dim; Q = block_q, S = block_k, N = number of query blocks.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+NEG_INF = -1e30
+
+
+class Schedule(NamedTuple):
+  """Per query block: first key of its first tile and the number of tiles it visits."""
+  start_N: jax.Array  # int32 [N]
+  n_tiles_N: jax.Array  # int32 [N]
+
+
+def schedule(lo_BT: jax.Array, block_q: int, block_k: int) -> Schedule:
+  """Tiles visited by each query block (union over the batch), from the key starts ``lo``."""
+  b, t = lo_BT.shape
+  n = -(-t // block_q)
+  pos_T = jnp.arange(n * block_q, dtype=jnp.int32)
+  lo = jnp.pad(lo_BT.astype(jnp.int32), ((0, 0), (0, n * block_q - t)),
+               constant_values=jnp.iinfo(jnp.int32).max)
+  nonempty_BT = lo <= pos_T
+  first_N = jnp.min(jnp.where(nonempty_BT, lo, t).reshape(b, n, block_q), axis=(0, 2))
+  end_N = jnp.max(jnp.where(nonempty_BT, pos_T + 1, 0).reshape(b, n, block_q), axis=(0, 2))
+  tiles_N = jnp.where(end_N > first_N, -(-(end_N - first_N) // block_k), 0)
+  return Schedule(jnp.minimum(first_N, t).astype(jnp.int32), tiles_N.astype(jnp.int32))
+
+
+def tiles_visited(lo_BT: jax.Array, block_q: int, block_k: int) -> jax.Array:
+  """Total number of (query block, key tile) pairs one call executes (for FLOP accounting)."""
+  return jnp.sum(schedule(lo_BT, block_q, block_k).n_tiles_N)
+
+
+class _Blocks(NamedTuple):
+  """Inputs laid out head-major for the loops: queries by block, keys padded by one tile so no
+  tile is clamped at the end."""
+  q_NBKGQE: jax.Array
+  lo_NBQ: jax.Array
+  k_BKSE: jax.Array
+  v_BKSE: jax.Array
+  sched: Schedule
+
+
+def _to_blocks(x_BTHE, kv, block_q):
+  """[B,T,H,E] -> [N,B,K,G,Q,E] (T padded to N * Q)."""
+  b, t, h, e = x_BTHE.shape
+  n = -(-t // block_q)
+  x = jnp.pad(x_BTHE, ((0, 0), (0, n * block_q - t), (0, 0), (0, 0)))
+  return x.reshape(b, n, block_q, kv, h // kv, e).transpose(1, 0, 3, 4, 2, 5)
+
+
+def _from_blocks(x_NBKGQE, t):
+  n, b, kv, g, q, e = x_NBKGQE.shape
+  return x_NBKGQE.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * q, kv * g, e)[:, :t]
+
+
+def _layout(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k) -> _Blocks:
+  b, t = lo_BT.shape
+  kv = k_BTKE.shape[2]
+  n = -(-t // block_q)
+  lo = jnp.pad(lo_BT.astype(jnp.int32), ((0, 0), (0, n * block_q - t)),
+               constant_values=jnp.iinfo(jnp.int32).max)
+  kpad = lambda x: jnp.pad(x, ((0, 0), (0, block_k), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  return _Blocks(_to_blocks(q_BTHE, kv, block_q), lo.reshape(b, n, block_q).transpose(1, 0, 2),
+                 kpad(k_BTKE), kpad(v_BTKE), schedule(lo_BT, block_q, block_k))
+
+
+def _tile(blocks: _Blocks, n, tile, q_BKGQE, lo_BQ, block_q, block_k, scale):
+  """Scaled scores [B,K,G,Q,S] (float32) of query block ``n`` against key tile ``tile``, the
+  tile's mask, its keys/values [B,K,S,E] and its first key index."""
+  s0 = blocks.sched.start_N[n] + tile * block_k
+  k_t = lax.dynamic_slice_in_dim(blocks.k_BKSE, s0, block_k, axis=2)
+  v_t = lax.dynamic_slice_in_dim(blocks.v_BKSE, s0, block_k, axis=2)
+  kpos_S = s0 + jnp.arange(block_k, dtype=jnp.int32)
+  qpos_Q = n * block_q + jnp.arange(block_q, dtype=jnp.int32)
+  mask_BQS = (kpos_S[None, None, :] >= lo_BQ[:, :, None]) & (kpos_S[None, None, :]
+                                                             <= qpos_Q[None, :, None])
+  s = jnp.einsum("bkgqe,bkse->bkgqs", q_BKGQE, k_t, preferred_element_type=jnp.float32)
+  return s * scale, mask_BQS[:, None, None], k_t, v_t, s0
+
+
+def _forward(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k, scale):
+  """(out [B,T,H,E], lse [N,B,K,G,Q] float32; +inf marks rows with no key)."""
+  t, e = q_BTHE.shape[1], q_BTHE.shape[3]
+  blocks = _layout(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k)
+
+  def per_block(n):
+    q_n, lo_n = blocks.q_NBKGQE[n], blocks.lo_NBQ[n]
+
+    def body(tile, carry):
+      m, l, acc = carry
+      s, mask, _, v_t, _ = _tile(blocks, n, tile, q_n, lo_n, block_q, block_k, scale)
+      s = jnp.where(mask, s, NEG_INF)
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+      p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+      alpha = jnp.exp(m - m_new)
+      l = alpha * l + jnp.sum(p, axis=-1)
+      pv = jnp.einsum("bkgqs,bkse->bkgqe", p.astype(v_t.dtype), v_t,
+                      preferred_element_type=jnp.float32)
+      return m_new, l, alpha[..., None] * acc + pv
+
+    shape = q_n.shape[:-1]
+    init = (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (e,), jnp.float32))
+    m, l, acc = lax.fori_loop(0, blocks.sched.n_tiles_N[n], body, init)
+    empty = l == 0.0
+    out = acc / jnp.where(empty, 1.0, l)[..., None]
+    lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    return out.astype(q_BTHE.dtype), lse
+
+  out_NBKGQE, lse = lax.map(per_block, jnp.arange(blocks.q_NBKGQE.shape[0]))
+  return _from_blocks(out_NBKGQE, t), lse
+
+
+def _backward(q_BTHE, k_BTKE, v_BTKE, lo_BT, out_BTHE, lse, do_BTHE, block_q, block_k, scale):
+  t = q_BTHE.shape[1]
+  blocks = _layout(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k)
+  kv = k_BTKE.shape[2]
+  do_NBKGQE = _to_blocks(do_BTHE.astype(q_BTHE.dtype), kv, block_q)
+  delta = jnp.sum(out_BTHE.astype(jnp.float32) * do_BTHE.astype(jnp.float32), axis=-1)
+  delta_NBKGQ = _to_blocks(delta[..., None], kv, block_q)[..., 0]
+
+  def per_block(carry, n):
+    q_n, lo_n, do_n = blocks.q_NBKGQE[n], blocks.lo_NBQ[n], do_NBKGQE[n]
+    lse_n, delta_n = lse[n], delta_NBKGQ[n]
+
+    def body(tile, c):
+      dq, dk, dv = c
+      s, mask, k_t, v_t, s0 = _tile(blocks, n, tile, q_n, lo_n, block_q, block_k, scale)
+      p = jnp.where(mask, jnp.exp(s - lse_n[..., None]), 0.0)
+      dv_t = jnp.einsum("bkgqs,bkgqe->bkse", p.astype(do_n.dtype), do_n,
+                        preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bkgqe,bkse->bkgqs", do_n, v_t, preferred_element_type=jnp.float32)
+      ds = (p * (dp - delta_n[..., None]) * scale).astype(q_n.dtype)
+      dq = dq + jnp.einsum("bkgqs,bkse->bkgqe", ds, k_t, preferred_element_type=jnp.float32)
+      dk_t = jnp.einsum("bkgqs,bkgqe->bkse", ds, q_n, preferred_element_type=jnp.float32)
+      add = lambda acc, x: lax.dynamic_update_slice_in_dim(
+          acc, lax.dynamic_slice_in_dim(acc, s0, block_k, axis=2) + x, s0, axis=2)
+      return dq, add(dk, dk_t), add(dv, dv_t)
+
+    dk, dv = carry
+    dq0 = jnp.zeros(q_n.shape, jnp.float32)
+    dq, dk, dv = lax.fori_loop(0, blocks.sched.n_tiles_N[n], body, (dq0, dk, dv))
+    return (dk, dv), dq
+
+  zeros = jnp.zeros(blocks.k_BKSE.shape, jnp.float32)
+  (dk, dv), dq_NBKGQE = lax.scan(per_block, (zeros, zeros), jnp.arange(blocks.q_NBKGQE.shape[0]))
+  back = lambda x, like: x.transpose(0, 2, 1, 3)[:, :t].astype(like.dtype)
+  return (_from_blocks(dq_NBKGQE, t).astype(q_BTHE.dtype), back(dk, k_BTKE), back(dv, v_BTKE))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, lo, block_q, block_k, scale):
+  return _forward(q, k, v, lo, block_q, block_k, scale)[0]
+
+
+def _attention_fwd(q, k, v, lo, block_q, block_k, scale):
+  out, lse = _forward(q, k, v, lo, block_q, block_k, scale)
+  return out, (q, k, v, lo, out, lse)
+
+
+def _attention_bwd(block_q, block_k, scale, res, do):
+  q, k, v, lo, out, lse = res
+  dq, dk, dv = _backward(q, k, v, lo, out, lse, do, block_q, block_k, scale)
+  return dq, dk, dv, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def blockwise_attention(q_BTHE, k_BTKE, v_BTKE, lo_BT, *, block_q: int = 128,
+                        block_k: int = 128, scale: float | None = None):
+  """Self-attention where query i sees keys [lo_i, i]; rows with no key give zeros.
+
+  q [B,T,H,E], k/v [B,T,K,E], lo int [B,T]. Scores and softmax in float32; the
+  probabilities are cast to the value dtype for the value product (as flash kernels do).
+  Block sizes are clamped to the sequence (no work on a block larger than T).
+  """
+  t = q_BTHE.shape[1]
+  block_q = max(1, min(block_q, t))
+  block_k = max(1, min(block_k, t))
+  scale = 1.0 / math.sqrt(q_BTHE.shape[-1]) if scale is None else float(scale)
+  return _attention(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k, scale)

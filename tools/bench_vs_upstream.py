@@ -1,0 +1,452 @@
+"""Training throughput of the paper's PyTorch code vs lca-jax, same model, same bytes, one process.
+
+    python tools/bench_vs_upstream.py train --upstream-src /tmp/upstream \
+        [--shapes 4x1024,1x4096] [--steps 10] [--warmup 2] \
+        [--d-model 256 --d-inner 1024 --n-heads 4 --layers 2,4,2,2] [--max-latent-ratio 0.5] \
+        [--data FILE.txt]
+
+``--upstream-src`` is a checkout of the paper's code (the folder holding ``src/model/modern_fxt.py``);
+it is imported at run time, nothing of it lives in this repository. For each shape ``BxT`` (rows x
+bytes) both sides train on the same rows of real text (the bundled demo corpus, or ``--data``, as
+byte ids of lca_jax.vocab = the ByT5 ids upstream uses, documents ending with EOS), upstream first:
+
+  * upstream: ``FxTTransformerLM`` built from ``config_to_upstream(ModelConfig)`` (a plain object
+    with one attribute per key, as src/eval/model_loader.py does), float32, train mode, eager;
+    step = ``model(batch, task="LM", script_id=259)`` (the first key of ``id_to_script``, as
+    src/train/train.py does), loss + mtp_loss + 10 * loss_boundaries[0] (train.py's weights with
+    scale_loss2 1 and scale_bp 10), zero_grad / backward / clip_grad_norm_(--clip) / Adam step;
+    torch uses all CPU cores.
+  * lca_jax: the same shape as a configs/lca_mbp.py config with ``--config.x.y=v`` overrides
+    (printed as ``lca_train_overrides``), float32, lambdas 1/1/10, Adam with the same clip;
+    ``loop.prepare`` / ``setup.init_state`` / ``setup.train_step(state, setup.device_batch(b))``
+    exactly as lca-train. The mesh uses gcd(devices, B) devices so that B rows divide over it.
+
+``--warmup`` steps are not timed (for lca_jax the first one compiles: ``compile_s``). Prints one
+JSON object: per shape the bytes/s and seconds per optimizer step of both sides and
+``ratio`` = lca_jax bytes/s / upstream bytes/s, plus machine info, model shape and the parameter
+counts of both sides (equal once lca_jax's vocabulary padding rows are removed). Bad input is
+reported in one line on stderr with exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402  pylint: disable=g-import-not-at-top
+import jaxlib  # noqa: E402  pylint: disable=g-import-not-at-top
+import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top
+import torch  # noqa: E402  pylint: disable=g-import-not-at-top
+
+from lca_jax import configs_io  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax import vocab  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.data.errors import DataError  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.interop.upstream import config_to_upstream  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.model.config import ConfigError  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.train import inputs, loop  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.train import sharding as shd  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.train.errors import TrainError  # noqa: E402  pylint: disable=g-import-not-at-top
+
+PROG = "bench_vs_upstream"
+BASE_CONFIG = os.path.join(ROOT, "configs", "lca_mbp.py")
+UPSTREAM_MODULE = "src.model.modern_fxt"
+LAMBDAS = (1.0, 1.0, 10.0)  # NTP, MBP (train.py scale_loss2), BP (train.py scale_bp)
+
+
+class BenchError(ValueError):
+  """Bad input: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse whose usage errors are one line on stderr (exit status 2)."""
+
+  def error(self, message):
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+# ---- arguments ------------------------------------------------------------------------------
+def parse_shapes(s: str):
+  """'4x1024,1x4096' -> [(4, 1024), (1, 4096)]."""
+  out = []
+  for part in (p.strip() for p in str(s).split(",")):
+    try:
+      b, t = (int(x) for x in part.lower().split("x"))
+    except ValueError:
+      raise BenchError(f"--shapes: {part!r} is not ROWSxBYTES (e.g. 4x1024)") from None
+    if b < 1 or t < 4:
+      raise BenchError(f"--shapes: {part!r} needs at least 1 row of at least 4 bytes")
+    out.append((b, t))
+  if len(set(out)) != len(out):
+    raise BenchError(f"--shapes: {s!r} repeats a shape")
+  return out
+
+
+def parse_layers(s: str):
+  """'2,4,2,2' -> (enc, lm, dec, mbp)."""
+  try:
+    layers = tuple(int(x) for x in str(s).split(","))
+  except ValueError:
+    layers = ()
+  if len(layers) != 4 or min(layers[:3], default=0) < 1 or layers[3] < 0:
+    raise BenchError(f"--layers: {s!r} is not ENC,LM,DEC,MBP (e.g. 2,4,2,2; ENC, LM, DEC >= 1)")
+  return layers
+
+
+def _check_upstream_src(path: str) -> str:
+  if not path:
+    raise BenchError("--upstream-src is empty (give the paper's code checkout)")
+  path = os.path.abspath(os.path.expanduser(path))
+  if not os.path.isdir(path):
+    raise BenchError(f"--upstream-src {path}: no such directory")
+  want = os.path.join(path, *UPSTREAM_MODULE.split(".")) + ".py"
+  if not os.path.isfile(want):
+    raise BenchError(f"--upstream-src {path}: not the paper's code (no {os.path.relpath(want, path)})")
+  return path
+
+
+def _parser():
+  ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+  sub = ap.add_subparsers(dest="cmd", required=True, metavar="{train}")
+  tr = sub.add_parser("train", help="training throughput (bytes/s, s per optimizer step)")
+  tr.add_argument("--upstream-src", required=True, metavar="DIR",
+                  help="checkout of the paper's code (holds src/model/modern_fxt.py)")
+  tr.add_argument("--shapes", default="4x1024,1x4096", help="ROWSxBYTES per step, comma separated")
+  tr.add_argument("--steps", type=int, default=10, help="timed optimizer steps per side and shape")
+  tr.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1; lca_jax compiles)")
+  tr.add_argument("--d-model", type=int, default=256)
+  tr.add_argument("--d-inner", type=int, default=1024)
+  tr.add_argument("--n-heads", type=int, default=4)
+  tr.add_argument("--n-kv-heads", type=int, default=0, help="0 = --n-heads")
+  tr.add_argument("--layers", default="2,4,2,2", help="ENC,LM,DEC,MBP layer counts")
+  tr.add_argument("--max-latent-ratio", type=float, default=0.5,
+                  help="lca_jax's static latent capacity per byte (configs/lca_mbp.py: 0.5)")
+  tr.add_argument("--dropout", type=float, default=0.0)
+  tr.add_argument("--clip", type=float, default=0.25, help="global grad-norm clip, both sides (0 = off)")
+  tr.add_argument("--lr", type=float, default=3e-4)
+  tr.add_argument("--seed", type=int, default=0)
+  tr.add_argument("--data", default="", metavar="FILE",
+                  help="local text file(s), comma separated (default: the bundled demo corpus)")
+  tr.add_argument("--torch-device", default="cpu", choices=("cpu", "cuda", "auto"),
+                  help="auto = cuda when jax runs on a GPU and torch sees one")
+  return ap
+
+
+# ---- machine --------------------------------------------------------------------------------
+def cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+      for line in f:
+        if line.lower().startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def machine_info(torch_device: str) -> dict:
+  info = dict(cpu_model=cpu_model(), cores=os.cpu_count(), platform=platform.platform(),
+              python=platform.python_version(), jax=jax.__version__,
+              jaxlib=getattr(jaxlib, "__version__", None), torch=torch.__version__,
+              jax_backend=jax.default_backend(), jax_device_kind=jax.devices()[0].device_kind,
+              jax_devices=len(jax.devices()),
+              torch_device=torch_device, torch_threads=torch.get_num_threads())
+  if torch_device == "cuda":
+    info["torch_cuda_device"] = torch.cuda.get_device_name(0)
+  return info
+
+
+# ---- lca_jax side ---------------------------------------------------------------------------
+def lca_overrides(args, layers, b: int, t: int, data: str, max_seq_len: int):
+  """``key=value`` overrides of configs/lca_mbp.py for this model and shape (lca-train's
+  ``--config.key=value``)."""
+  enc, lm, dec, mbp = layers
+  kv = args.n_kv_heads or args.n_heads
+  return ["model.kind=hierarchical", "model.boundaries=learned", f"model.d_model={args.d_model}",
+          f"model.d_inner={args.d_inner}", f"model.n_heads={args.n_heads}",
+          f"model.n_kv_heads={kv}", f"model.n_enc={enc}", f"model.n_lm={lm}",
+          f"model.n_dec={dec}", f"model.n_mbp={mbp}", "model.n_mlp_mbp=0",
+          f"model.max_latent_ratio={args.max_latent_ratio}", f"model.dropout={args.dropout}",
+          "model.dtype=float32", "model.attention_impl=xla", f"model.max_seq_len={max_seq_len}",
+          "data.format=text", f"data.train_files={data}", "data.packing=concat",
+          "data.worker_count=0", f"optim.lr={args.lr}", "optim.weight_decay=0.0", "optim.b1=0.9",
+          "optim.b2=0.999", "optim.eps=1e-08", f"optim.clip_norm={args.clip}",
+          f"train.seed={args.seed}", f"train.lambda_ntp={LAMBDAS[0]}",
+          f"train.lambda_mbp={LAMBDAS[1]}", f"train.lambda_bp={LAMBDAS[2]}",
+          "train.progress_bar=False", "train.tensorboard=False",
+          f"train.steps={args.warmup + args.steps}",
+          # the shape
+          f"data.seq_len={t}", f"train.micro_batch_size={b}", f"train.global_batch_bytes={b * t}"]
+
+
+SHAPE_KEYS = ("data.seq_len=", "train.micro_batch_size=", "train.global_batch_bytes=")
+
+
+def lca_config(args, layers, b: int, t: int, data: str, max_seq_len: int):
+  """(configs/lca_mbp.py with the overrides applied, the overrides)."""
+  overrides = lca_overrides(args, layers, b, t, data, max_seq_len)
+  config = configs_io.apply_overrides(configs_io.load_config(BASE_CONFIG), overrides)
+  loop.model_config_of(config)  # a ConfigError here, not inside prepare
+  return config, overrides
+
+
+def jax_devices_for(rows: int):
+  """The first gcd(#devices, rows) devices: the rows of a step divide over the mesh."""
+  devs = jax.devices()
+  return devs[:math.gcd(len(devs), rows)]
+
+
+def read_rows(config, plan, n: int):
+  """``n`` host batches ({'ids', 'segment_ids', 'positions'} [B, T] int32) of the training data."""
+  pipe = inputs.make_train_pipeline(config, plan)
+  try:
+    return [next(pipe) for _ in range(n)]
+  finally:
+    pipe.close()
+
+
+def n_params_jax(params) -> int:
+  return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
+
+
+def bench_lca(setup, host, warmup: int) -> dict:
+  t0 = time.perf_counter()
+  state = setup.init_state()
+  jax.block_until_ready(state)
+  init_s = time.perf_counter() - t0
+  with shd.mesh_context(setup.mesh):
+    t0 = time.perf_counter()
+    state, m = setup.train_step(state, setup.device_batch(host[0]))
+    jax.block_until_ready((state, m))
+    compile_s = time.perf_counter() - t0
+    for b in host[1:warmup]:
+      state, m = setup.train_step(state, setup.device_batch(b))
+    jax.block_until_ready((state, m))
+    ms = []
+    t0 = time.perf_counter()
+    for b in host[warmup:]:
+      state, m = setup.train_step(state, setup.device_batch(b))
+      ms.append(m)
+    jax.block_until_ready((state, ms))
+    total = time.perf_counter() - t0
+  ms = jax.device_get(ms)
+  steps = len(host) - warmup
+  step_s = total / steps
+  bpl = [float(x["bytes_per_latent"]) for x in ms if "bytes_per_latent" in x]
+  del state
+  return dict(bytes_per_s=setup.plan.bytes_per_step / step_s, step_s=step_s,
+              compile_s=compile_s, init_s=init_s, devices=int(setup.mesh.devices.size),
+              bytes_per_latent=(sum(bpl) / len(bpl)) if bpl else None,
+              final_loss=float(ms[-1]["loss"]))
+
+
+# ---- upstream side --------------------------------------------------------------------------
+def import_upstream(src: str):
+  """``FxTTransformerLM`` of the checkout at ``src`` (imported from there, never copied)."""
+  have = sys.modules.get("src")
+  if have is not None:
+    where = [os.path.abspath(p) for p in getattr(have, "__path__", [])]
+    if os.path.join(src, "src") not in where:
+      raise BenchError(f"a different 'src' package is already imported ({where}); "
+                       f"cannot import the paper's code from {src}")
+  if src not in sys.path:
+    sys.path.insert(0, src)
+  try:
+    mod = importlib.import_module(UPSTREAM_MODULE)
+  except Exception as e:  # pylint: disable=broad-except  (any failure: one line, exit 2)
+    raise BenchError(f"--upstream-src {src}: cannot import {UPSTREAM_MODULE} "
+                     f"({type(e).__name__}: {e})") from None
+  cls = getattr(mod, "FxTTransformerLM", None)
+  if cls is None:
+    raise BenchError(f"--upstream-src {src}: {UPSTREAM_MODULE} has no FxTTransformerLM")
+  return cls
+
+
+class _UpstreamArgs:
+  """The plain attribute bag upstream builds its model from (src/eval/model_loader.py)."""
+
+
+def upstream_cfg(uc: dict):
+  cfg = _UpstreamArgs()
+  for k, v in uc.items():
+    setattr(cfg, k, v)
+  return cfg
+
+
+def upstream_script_id(uc: dict) -> int:
+  """train.py: ``script_id = list(args.id_to_script.keys())[0]``; config.json keys are strings
+  that the model turns into ints, and forward looks the id up among those ints."""
+  return int(next(iter(uc["id_to_script"])))
+
+
+def build_upstream(cls, uc: dict, device: str, seed: int):
+  torch.manual_seed(seed)
+  try:
+    model = cls(upstream_cfg(uc))
+  except Exception as e:  # pylint: disable=broad-except
+    raise BenchError(f"the paper's FxTTransformerLM rejects this model ({type(e).__name__}: {e})") from None
+  return model.to(device=device, dtype=torch.float32).train()
+
+
+def _sync(device: str):
+  if device == "cuda":
+    torch.cuda.synchronize()
+
+
+def upstream_step(model, opt, ids_BT: np.ndarray, device: str, script_id: int, clip: float):
+  """One optimizer step as src/train/train.py takes it (task LM, no accumulation)."""
+  x_BT = torch.from_numpy(np.asarray(ids_BT, np.int64)).to(device)
+  batch = {"input_ids": x_BT, "attention_mask": torch.ones_like(x_BT)}
+  loss, mtp_loss, stats, loss_boundaries, _ = model(batch, task="LM", script_id=script_id)
+  total = LAMBDAS[0] * loss + LAMBDAS[1] * mtp_loss + LAMBDAS[2] * loss_boundaries[0]
+  total.backward()
+  if clip > 0:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+  opt.step()
+  opt.zero_grad(set_to_none=True)
+  return total, stats
+
+
+def bench_upstream(cls, uc: dict, host, warmup: int, device: str, args) -> dict:
+  with warnings.catch_warnings():  # train.py ignores warnings too (var() of a 1-row batch)
+    warnings.filterwarnings("ignore", message=".*degrees of freedom", category=UserWarning)
+    return _bench_upstream(cls, uc, host, warmup, device, args)
+
+
+def _bench_upstream(cls, uc: dict, host, warmup: int, device: str, args) -> dict:
+  model = build_upstream(cls, uc, device, args.seed)
+  opt = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
+                         weight_decay=0.0)
+  sid = upstream_script_id(uc)
+  for b in host[:warmup]:
+    upstream_step(model, opt, b["ids"], device, sid, args.clip)
+  _sync(device)
+  losses, s_len = [], []
+  t0 = time.perf_counter()
+  for b in host[warmup:]:
+    total, stats = upstream_step(model, opt, b["ids"], device, sid, args.clip)
+    losses.append(total.detach())
+    s_len.append(stats.get("shortened_length"))
+  _sync(device)
+  total_s = time.perf_counter() - t0
+  steps = len(host) - warmup
+  step_s = total_s / steps
+  rows, t = host[0]["ids"].shape
+  # shortened_length: null group + the most groups of any row in the batch
+  groups = [float(x) - 1 for x in s_len if x is not None]
+  return dict(bytes_per_s=rows * t / step_s, step_s=step_s,
+              bytes_per_latent=(t * len(groups) / sum(groups)) if groups and sum(groups) > 0 else None,
+              final_loss=float(losses[-1]))
+
+
+def upstream_params(cls, uc: dict) -> int:
+  model = build_upstream(cls, uc, "cpu", 0)
+  return int(sum(p.numel() for p in model.parameters()))
+
+
+# ---- main -----------------------------------------------------------------------------------
+def _validate(args):
+  src = _check_upstream_src(args.upstream_src)
+  shapes = parse_shapes(args.shapes)
+  layers = parse_layers(args.layers)
+  for name in ("d_model", "d_inner", "n_heads"):
+    if getattr(args, name) < 1:
+      raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  if args.n_kv_heads < 0:
+    raise BenchError(f"--n-kv-heads must be >= 0 (0 = --n-heads), got {args.n_kv_heads}")
+  if args.steps < 1:
+    raise BenchError(f"--steps must be >= 1, got {args.steps}")
+  if args.warmup < 1:
+    raise BenchError(f"--warmup must be >= 1 (the first lca_jax step compiles), got {args.warmup}")
+  for f in (p.strip() for p in args.data.split(",") if p.strip()):
+    if not os.path.isfile(f):
+      raise BenchError(f"--data {f}: no such file")
+  device = args.torch_device
+  if device == "auto":
+    device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+  if device == "cuda" and not torch.cuda.is_available():
+    raise BenchError("--torch-device cuda: torch sees no CUDA device")
+  return src, shapes, layers, device
+
+
+def run_train(args) -> dict:
+  src, shapes, layers, device = _validate(args)
+  data = ",".join(os.path.abspath(p.strip()) for p in args.data.split(",") if p.strip())
+  torch.set_num_threads(os.cpu_count() or 1)
+  cls = import_upstream(src)
+
+  # One model for every shape (max_seq_len covers the longest); upstream gets its config dict.
+  max_seq_len = max(4096, max(t for _, t in shapes))
+  try:
+    config0, overrides0 = lca_config(args, layers, *shapes[0], data, max_seq_len)
+  except (ConfigError, configs_io.ConfigFileError) as e:
+    raise BenchError(str(e)) from None
+  model_cfg = loop.model_config_of(config0)
+  uc = config_to_upstream(model_cfg)
+  n_up = upstream_params(cls, uc)
+
+  results, n_ours = {}, None
+  for b, t in shapes:
+    key = f"{b}x{t}"
+    try:
+      config, _ = lca_config(args, layers, b, t, data, max_seq_len)
+      setup = loop.prepare(config, jax_devices_for(b))
+      host = read_rows(config, setup.plan, args.warmup + args.steps)
+    except (ConfigError, configs_io.ConfigFileError, TrainError, DataError,
+            shd.MeshError) as e:
+      raise BenchError(f"shape {key}: {e}") from None
+    top = max(int(np.max(h["ids"])) for h in host)
+    if top >= uc["lm_vocab_size"]:  # the same ids must mean the same bytes on both sides
+      raise BenchError(f"shape {key}: id {top} is outside upstream's vocabulary "
+                       f"({uc['lm_vocab_size']} ByT5 ids)")
+    if n_ours is None:
+      n_ours = n_params_jax(setup.abstract.params)
+    print(f"{PROG}: {key}: upstream ...", file=sys.stderr, flush=True)
+    up = bench_upstream(cls, uc, host, args.warmup, device, args)
+    print(f"{PROG}: {key}: lca_jax ...", file=sys.stderr, flush=True)
+    ours = bench_lca(setup, host, args.warmup)
+    results[key] = dict(upstream=up, lca_jax=ours, ratio=ours["bytes_per_s"] / up["bytes_per_s"])
+
+  pad = (model_cfg.vocab_size - model_cfg.n_tokens) * model_cfg.d_model * 2  # embedding + head rows
+  enc, lm, dec, mbp = layers
+  return dict(
+      machine=machine_info(device),
+      model=dict(d_model=model_cfg.d_model, d_inner=model_cfg.d_inner, n_heads=model_cfg.n_heads,
+                 n_kv_heads=model_cfg.n_kv_heads, layers=dict(enc=enc, lm=lm, dec=dec, mbp=mbp),
+                 upstream_model_config=uc["model_config"], max_latent_ratio=args.max_latent_ratio,
+                 dropout=args.dropout, dtype="float32", n_tokens=model_cfg.n_tokens,
+                 vocab_size=model_cfg.vocab_size, upstream_lm_vocab_size=uc["lm_vocab_size"],
+                 upstream_script_id=upstream_script_id(uc), eos_id=vocab.EOS_ID,
+                 lambdas=dict(ntp=LAMBDAS[0], mbp=LAMBDAS[1], bp=LAMBDAS[2]),
+                 optimizer=dict(name="adam", lr=args.lr, b1=0.9, b2=0.999, eps=1e-8, clip=args.clip)),
+      params=dict(upstream=n_up, lca_jax=n_ours, lca_jax_vocab_padding=pad,
+                  lca_jax_without_padding=n_ours - pad, match=(n_ours - pad) == n_up),
+      data=data or "bundled demo corpus (lca_jax/data/corpus, train split)",
+      upstream_src=src, base_config=os.path.relpath(BASE_CONFIG, ROOT),
+      lca_train_overrides=[f"--config.{o}" for o in overrides0 if not o.startswith(SHAPE_KEYS)],
+      steps=args.steps, warmup=args.warmup, shapes=results)
+
+
+def main(argv=None):
+  args = _parser().parse_args(argv)
+  try:
+    out = run_train(args)
+  except BenchError as e:
+    print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  print(json.dumps(out, indent=1))
+  return out
+
+
+if __name__ == "__main__":
+  main()
