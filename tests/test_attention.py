@@ -9,7 +9,6 @@ gradients; the schedule skips what the masks exclude; and no compiled train step
 [T, T] array.
 """
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from lca_jax.model.attention import blockwise_attention, schedule, tiles_visited
 from lca_jax.model.hierarchical import ByteLM
 from lca_jax.model.layers import masked_attention
 from lca_jax.model.loss import compute_loss
+from lca_jax.train import costs
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -162,16 +162,6 @@ def test_model_blockwise_equals_dense(variant):
     assert_rel_close(gf[path], g, rel=1e-4, what=jax.tree_util.keystr(path))
 
 
-def _square_arrays(hlo_text, t):
-  """Shapes in an HLO text with two dimensions >= t (a [T, T] score or mask array)."""
-  found = set()
-  for dims in re.findall(r"\b(?:f32|bf16|f16|pred|s32)\[([0-9,]+)\]", hlo_text):
-    sizes = [int(x) for x in dims.split(",")]
-    if sum(s >= t for s in sizes) >= 2:
-      found.add(dims)
-  return found
-
-
 @pytest.mark.parametrize("impl", ["xla", "dense"])
 def test_no_t_by_t_buffer_in_train_step(impl):
   """The compiled loss + gradient of LCA-MBP holds no [T, T] array with the blockwise path;
@@ -190,7 +180,7 @@ def test_no_t_by_t_buffer_in_train_step(impl):
 
   params = random_params(cfg)
   text = jax.jit(jax.grad(loss_fn)).lower(params).compile().as_text()
-  square = _square_arrays(text, t)
+  square = costs.buffers(text, t)["t_by_t_buffers"]
   if impl == "xla":
     assert not square, f"[T, T] arrays in the blockwise step: {sorted(square)[:5]}"
   else:

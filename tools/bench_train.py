@@ -1,11 +1,22 @@
-"""Training throughput of a config (default: the tiny LCA-MBP), printed as one JSON object.
+"""Training throughput and cost of a config (default: the tiny LCA-MBP), as one JSON object.
 
     python tools/bench_train.py [--config configs/tiny_lca_mbp.py] [--steps 20] [--warmup 3] \
         [--config.train.micro_batch_size=32 ...]
+    python tools/bench_train.py --config configs/lca_mbp.py --lower-only \
+        --config.train.micro_batch_size=1 --config.train.global_batch_bytes=4096
 
 Times ``--steps`` optimizer steps after ``--warmup`` steps (compile + first runs) on real
 batches of the configured data (read beforehand, so the data pipeline is not timed; the
 host->device copy is). Same jitted step, mesh and shardings as lca-train.
+
+Before running, it compiles the step and prints what it costs (``lca_jax/train/costs.py``):
+``xla_flops`` (XLA cost analysis of the compiled step), ``executed_flops`` (that plus the
+attention tiles XLA's analysis does not see inside loops), ``useful_flops`` (6 x params per
+stage x tokens through it + the attention the masks need, on a regular layout of groups of
+``--group-len`` bytes, default 1 / bp_prior), their ratio, the tiles each attention stack runs,
+the compiled step's temp memory (``memory_analysis``), its largest buffer and every buffer with
+two dimensions >= T (there should be none). ``--lower-only`` stops there (no data, no
+parameters allocated: paper-scale configs on a small machine).
 """
 from __future__ import annotations
 
@@ -19,61 +30,111 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny_lca_mbp.py"))
-  ap.add_argument("--steps", type=int, default=20)
-  ap.add_argument("--warmup", type=int, default=3)
-  args, rest = ap.parse_known_args(argv)
+from lca_jax import configs_io  # noqa: E402
+from lca_jax.train import costs, inputs, loop, metrics  # noqa: E402
+from lca_jax.train import sharding as shd  # noqa: E402
 
-  import jax  # pylint: disable=g-import-not-at-top
-  from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import inputs, loop, metrics  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import sharding as shd  # pylint: disable=g-import-not-at-top
 
-  config = configs_io.apply_overrides(configs_io.load_config(args.config),
-                                     configs_io.split_overrides(rest))
-  setup = loop.prepare(config)
+def _abstract_batch(setup):
+  p = setup.plan
+  shape = (p.accum, p.micro, p.seq_len)
+  sharding = shd.batch_sharding(setup.mesh, True)
+  spec = lambda: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+  return {"ids": spec(), "segment_ids": spec(), "positions": spec()}
+
+
+def step_costs(setup, group_len=None) -> dict:
+  """Compile the train step (no run) and report its FLOPs and buffers."""
+  p, cfg = setup.plan, setup.model_cfg
+  t0 = time.perf_counter()
+  with shd.mesh_context(setup.mesh):
+    compiled = setup.train_step.lower(setup.abstract, _abstract_batch(setup)).compile()
+  compile_s = time.perf_counter() - t0
+  params = setup.abstract.params
+  doc, _, lplan = costs.regular_layout(cfg, p.micro, p.seq_len, group_len)
+  useful = costs.useful_flops(cfg, params, doc, lplan)
+  loops = costs.attention_loop_correction(cfg, doc, lplan, p.micro)
+  xla = costs.xla_flops(compiled)
+  # XLA counts the micro-batch scan body once too (accum > 1): scale the model part.
+  executed = xla * p.accum + loops["flops"] * p.accum
+  mem = compiled.memory_analysis()
+  out = dict(compile_s=round(compile_s, 2), xla_flops=xla, executed_flops=executed,
+             useful_flops=useful["total"] * p.accum,
+             executed_over_useful=executed / (useful["total"] * p.accum),
+             useful_flops_by_stage={k: v * p.accum for k, v in useful.items() if k != "total"},
+             attention_tiles=loops["tiles"], latent_capacity=int(lplan.null_BS.shape[1]),
+             latent_slots_used=int(jnp.max(jnp.sum(lplan.slot_doc_BS != 0, axis=1))),
+             temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0)),
+             argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0)))
+  out.update(costs.buffers(compiled.as_text(), p.seq_len))
+  return out
+
+
+def run_steps(config, setup, steps: int, warmup: int) -> dict:
   plan = setup.plan
   pipe = inputs.make_train_pipeline(config, plan)
-  host = [next(pipe) for _ in range(args.warmup + args.steps)]
+  host = [next(pipe) for _ in range(warmup + steps)]
   pipe.close()
-
   t0 = time.perf_counter()
   state = setup.init_state()
   jax.block_until_ready(state)
   init_s = time.perf_counter() - t0
   with shd.mesh_context(setup.mesh):
     t0 = time.perf_counter()
-    for b in host[:args.warmup]:
+    for b in host[:warmup]:
       state, m = setup.train_step(state, setup.device_batch(b))
     jax.block_until_ready((state, m))
     warm_s = time.perf_counter() - t0
     ms = []
     t0 = time.perf_counter()
-    for b in host[args.warmup:]:
+    for b in host[warmup:]:
       state, m = setup.train_step(state, setup.device_batch(b))
       ms.append(m)
     jax.block_until_ready((state, ms))
-    dt = (time.perf_counter() - t0) / max(args.steps, 1)
+    dt = (time.perf_counter() - t0) / max(steps, 1)
   ms = jax.device_get(ms)
   bpl = sum(float(m.get("bytes_per_latent", 0.0)) for m in ms) / max(len(ms), 1) or None
   n_dev = setup.mesh.devices.size
   flops = metrics.train_flops_per_step(setup.model_cfg, setup.abstract.params, plan.rows,
                                        plan.seq_len, bpl)
   peak = metrics.peak_flops_per_device(override_tflops=float(config.train.peak_tflops))
+  return dict(
+      warmup_steps=warmup, timed_steps=steps, init_s=round(init_s, 3),
+      warmup_s=round(warm_s, 3), step_time_s=dt, bytes_per_s=plan.bytes_per_step / dt,
+      tflops_per_device=flops / dt / n_dev / 1e12,
+      mfu=(flops / dt / (n_dev * peak)) if peak else None,
+      bytes_per_latent=bpl, overflow=sum(float(m.get("overflow", 0.0)) for m in ms),
+      final_loss=float(ms[-1]["loss"]) if ms else None)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny_lca_mbp.py"))
+  ap.add_argument("--steps", type=int, default=20)
+  ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--lower-only", action="store_true",
+                  help="compile and report costs only (no data, no run)")
+  ap.add_argument("--group-len", type=float, default=None,
+                  help="bytes per group of the layout the useful FLOPs assume (1/bp_prior)")
+  args, rest = ap.parse_known_args(argv)
+
+  config = configs_io.apply_overrides(configs_io.load_config(args.config),
+                                     configs_io.split_overrides(rest))
+  setup = loop.prepare(config)
+  plan = setup.plan
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(setup.abstract.params))
   out = dict(
       config=os.path.relpath(args.config, ROOT), backend=jax.default_backend(),
-      device_kind=jax.devices()[0].device_kind, devices=n_dev, mesh=dict(setup.mesh.shape),
-      params=int(n_params), dtype=setup.model_cfg.dtype, seq_len=plan.seq_len, rows=plan.rows,
-      accum=plan.accum, bytes_per_step=plan.bytes_per_step, warmup_steps=args.warmup,
-      timed_steps=args.steps, init_s=round(init_s, 3), warmup_s=round(warm_s, 3),
-      step_time_s=dt, bytes_per_s=plan.bytes_per_step / dt,
-      tflops_per_device=flops / dt / n_dev / 1e12,
-      mfu=(flops / dt / (n_dev * peak)) if peak else None,
-      final_loss=float(ms[-1]["loss"]) if ms else None)
+      device_kind=jax.devices()[0].device_kind, devices=setup.mesh.devices.size,
+      mesh=dict(setup.mesh.shape), params=int(n_params), dtype=setup.model_cfg.dtype,
+      attention_impl=setup.model_cfg.attention_impl, seq_len=plan.seq_len, rows=plan.rows,
+      micro_batch=plan.micro, accum=plan.accum, bytes_per_step=plan.bytes_per_step)
+  out["cost"] = step_costs(setup, args.group_len)
+  if not args.lower_only:
+    out.update(run_steps(config, setup, args.steps, args.warmup))
   print(json.dumps(out, indent=1))
   return out
 

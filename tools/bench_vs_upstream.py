@@ -2,7 +2,7 @@
 
     python tools/bench_vs_upstream.py train --upstream-src /tmp/upstream \
         [--shapes 4x1024,1x4096] [--steps 10] [--warmup 2] \
-        [--d-model 256 --d-inner 1024 --n-heads 4 --layers 2,4,2,2] [--max-latent-ratio 0.5] \
+        [--d-model 256 --d-inner 1024 --n-heads 4 --layers 2,4,2,2] [--max-latent-ratio 0] \
         [--data FILE.txt]
 
 ``--upstream-src`` is a checkout of the paper's code (the folder holding ``src/model/modern_fxt.py``);
@@ -129,8 +129,9 @@ def _parser():
   tr.add_argument("--n-heads", type=int, default=4)
   tr.add_argument("--n-kv-heads", type=int, default=0, help="0 = --n-heads")
   tr.add_argument("--layers", default="2,4,2,2", help="ENC,LM,DEC,MBP layer counts")
-  tr.add_argument("--max-latent-ratio", type=float, default=0.5,
-                  help="lca_jax's static latent capacity per byte (configs/lca_mbp.py: 0.5)")
+  tr.add_argument("--max-latent-ratio", type=float, default=0.0,
+                  help="lca_jax's static latent capacity per byte (0 = auto from the boundary "
+                       "prior, ModelConfig.latent_ratio; configs/lca_mbp.py's default)")
   tr.add_argument("--dropout", type=float, default=0.0)
   tr.add_argument("--clip", type=float, default=0.25, help="global grad-norm clip, both sides (0 = off)")
   tr.add_argument("--lr", type=float, default=3e-4)

@@ -35,7 +35,7 @@ def reference_loop(model, prompt: str, max_bytes: int, tau=None) -> dict:
 
   ``tau is None``: next-byte only. Otherwise threshold decoding with n = 2: the NT head's byte is
   always taken, and the MBP head's guess for the byte after it (read at the last byte) is taken
-  too when its probability is >= tau (DESIGN §3, n = 2).
+  too when its probability is >= tau (docs/design.md §6.3, n = 2).
   """
   from lca_jax import vocab  # pylint: disable=g-import-not-at-top
   ids = list(vocab.encode(prompt))

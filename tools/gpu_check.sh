@@ -3,18 +3,32 @@
 # against the XLA reference, their speed (issue 5 targets), and the decode engine on the GPU.
 # Every part has its own timeout so the whole run fits one device call (~10 min at most).
 #
-# Run from the repository root through the device tool, carrying the data wheels (see
-# ../shared/gpu-wheels/README: `mkdir -p .whl && cp ../shared/gpu-wheels/*.whl .whl/`) and,
-# for the decode benchmark, a trained checkpoint:
-#     bash tools/gpu_check.sh            (carry: .whl, workdirs/demo)
-# Results land in $OUT (the device tool's output folder) or /tmp/gpu_check.
+# Run from the repository root on the GPU machine:
+#     bash tools/gpu_check.sh [WHEELS_DIR]
+# WHEELS_DIR (the argument, or the WHEELS_DIR environment variable; default ./wheels, or
+# ./.whl when only that exists) holds wheels of the packages of requirements.txt that the GPU
+# machine's Python lacks (README "GPU check" says how to download them); they are installed
+# into /tmp/site without network before anything runs. Without wheels the machine's own
+# packages are used. The decode benchmark also runs when workdirs/demo holds a trained
+# checkpoint. Results land in $OUT or /tmp/gpu_check.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    || { echo "installing the carried wheels failed" >&2; exit 1; }
+WHEELS_DIR=${1:-${WHEELS_DIR:-}}
+explicit=${WHEELS_DIR:+yes}
+if [ -z "$WHEELS_DIR" ]; then
+  WHEELS_DIR=wheels
+  if ! ls wheels/*.whl >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
+    WHEELS_DIR=.whl
+  fi
+fi
+if ls "$WHEELS_DIR"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    "$WHEELS_DIR"/*.whl || { echo "installing the wheels of $WHEELS_DIR failed" >&2; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
+elif [ -n "$explicit" ]; then
+  echo "no wheels (*.whl) in $WHEELS_DIR" >&2
+  exit 1
 else
   export PYTHONPATH=$PWD
 fi

@@ -259,10 +259,11 @@ MBP_WINDOW = 128  # cache slots the LCA-MBP head attends per step when every que
 def _mbp_stack(cfg, params, state: DecodeState, m_BQD, grp_BQ, ord_BQ, key_g_BL, key_ord_BL):
   """The LCA-MBP stack over its byte cache for Q queries written at ``state.length``.
 
-  A query's keys lie in [first byte of group g - 1, query] (DESIGN §2.8), so the block needs
-  only the slots from the first byte of group ``grp[:, 0] - 1`` to its last written slot. When
-  that span fits ``MBP_WINDOW`` slots in every row, attend that window only (O(W) per step
-  instead of O(L)); otherwise (very long groups) attend the whole cache. Same numbers both ways.
+  A query's keys lie in [first byte of group g - 1, query] (docs/design.md §3.2), so the
+  block needs only the slots from the first byte of group ``grp[:, 0] - 1`` to its last
+  written slot. When that span fits ``MBP_WINDOW`` slots in every row, attend that window only
+  (O(W) per step instead of O(L)); otherwise (very long groups) attend the whole cache. Same
+  numbers both ways.
   """
   length_cap, q = key_g_BL.shape[1], grp_BQ.shape[1]
   length = state.length

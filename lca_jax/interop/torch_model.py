@@ -3,7 +3,7 @@
 Loads a directory holding ``config.json`` + ``model.safetensors`` in the layout of the paper's
 PyTorch code (FxTTransformerLM) by the SAME state-dict names (``load_state_dict(strict=True)``)
 and computes next-byte (NT) logits, LCA-MBP logits and inference boundaries, following
-DESIGN.md sections 1, 2 and 5. It imports only torch, safetensors, json and math, so it can
+docs/design.md §1, §2 and §7.2. It imports only torch, safetensors, json and math, so it can
 serve as an independent check of the JAX model and of the exporter.
 
     model = load_torch_model("path/to/dir")
@@ -13,7 +13,7 @@ serve as an independent check of the JAX model and of the exporter.
     out["boundaries"]      # [B, T] int64, 1 = byte t closes its group; None for a flat model
     out["mlp_mbp_logits"]  # [B, k, T, V], head i predicts x_{t+2+i}; only with MLP-MBP heads
 
-Upstream layout (DESIGN §5):
+Upstream layout (docs/design.md §7.2):
     token_embedding.weight [V, d]; head.weight [V, d] (untied; if ``lm_tie_weights`` and the key
     is absent, the embedding is used); norm.weight [d]; null_group [1, 1, d];
     rotary_embd.inv_freq [head_dim / 2];

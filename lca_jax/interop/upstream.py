@@ -1,4 +1,4 @@
-"""The paper's PyTorch checkpoint layout (DESIGN §5) <-> our parameter tree.
+"""The paper's PyTorch checkpoint layout (docs/design.md §7.2) <-> our parameter tree.
 
 A directory holds ``config.json`` (upstream keys) and ``model.safetensors`` (torch state-dict
 names, Linear weights [out, in], float32 or bfloat16). LCA-MBP, FxT and LlamaByte directories

@@ -3,7 +3,7 @@
 Every training mask of the model family is an *interval mask*: query ``i`` may attend key
 ``j`` iff ``lo_i <= j <= i``, where ``lo`` comes from :mod:`lca_jax.model.masks`
 (``causal_key_start``: the first byte of ``i``'s document; ``lca_key_start``: the first byte
-of the group before ``i``'s, see ``docs/design.md``). A query with no key (padding) has
+of the group before ``i``'s, see docs/design.md §3.2). A query with no key (padding) has
 ``lo_i = i + 1``.
 
 ``blockwise_attention`` never builds a [T, T] array: queries are cut into blocks of

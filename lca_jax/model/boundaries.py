@@ -1,6 +1,6 @@
 """Boundary decisions: learned predictor (Gumbel-sigmoid straight-through), SpaceByte rule, loss.
 
-Convention (DESIGN §2.2): b_t = 1 means byte t CLOSES its group.
+Convention (docs/design.md §2.4): b_t = 1 means byte t CLOSES its group.
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lca_jax.model.layers import dense
+from lca_jax.model.layers import Dense
 
 
 class BoundaryPredictor(nn.Module):
@@ -18,11 +18,9 @@ class BoundaryPredictor(nn.Module):
   @nn.compact
   def __call__(self, h_BTD):
     h = h_BTD.astype(jnp.float32)
-    h = nn.Dense(self.d_inner, name="fc1", kernel_init=nn.with_logical_partitioning(
-        nn.initializers.normal(0.02), ("embed", "mlp")))(h)
+    h = Dense(self.d_inner, ("embed", "mlp"), jnp.float32, use_bias=True, name="fc1")(h)
     h = nn.gelu(h, approximate=False)
-    logit = nn.Dense(1, name="fc2", kernel_init=nn.with_logical_partitioning(
-        nn.initializers.normal(0.02), ("mlp", None)))(h)
+    logit = Dense(1, ("mlp", None), jnp.float32, use_bias=True, name="fc2")(h)
     return logit[..., 0]
 
 

@@ -1,7 +1,8 @@
-"""Training objective (DESIGN §2.9): lambda0 CE(NT) + lambda1 CE(MBP) + lambda2 L_BP, with metrics.
+"""Training objective lambda0 CE(NT) + lambda1 CE(MBP) + lambda2 L_BP, with metrics.
 
-A target x_{t+k} is valid when it lies in the same (non-padding) document as byte t, and, for
-SFT, when ``loss_mask`` marks it (prompt bytes carry no loss). CE averages over valid targets.
+See docs/design.md §4. A target x_{t+k} is valid when it lies in the same (non-padding)
+document as byte t, and, for SFT, when ``loss_mask`` marks it (prompt bytes carry no loss).
+CE averages over valid targets.
 """
 from __future__ import annotations
 

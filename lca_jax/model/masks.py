@@ -1,4 +1,4 @@
-"""Attention masks built inside jit from per-position ids (docs/design.md, "Masks").
+"""Attention masks built inside jit from per-position ids (docs/design.md §3.1, §3.2).
 
 Every dense mask is boolean ``[B, Tq, Tk]``: True = query may attend key. ``doc`` ids are 0
 for padding (never attended, and a padded query attends nothing), otherwise a document id; two

@@ -1,4 +1,4 @@
-"""Byte <-> latent maps with static shapes (DESIGN §2.4-2.6), O(T) segment sums.
+"""Byte <-> latent maps with static shapes (docs/design.md §2.5-§2.7), O(T) segment sums.
 
 Latent slots: every document of a row owns a null slot followed by one slot per CLOSED group.
 With ``concat`` packing (one document per row) this is upstream's [null, s_1, ..., s_K].

@@ -1,4 +1,4 @@
-"""Device mesh, logical axis rules and shardings (DESIGN §4).
+"""Device mesh, logical axis rules and shardings (docs/design.md §5.3).
 
 Mesh axes ('data', 'fsdp', 'tensor'); ``config.mesh`` gives their sizes, one of them may be -1
 (= all devices not used by the others). Parameters carry logical axis names (model/layers.py);

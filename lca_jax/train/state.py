@@ -1,4 +1,4 @@
-"""The train state and its sharded construction from the abstract state (DESIGN §4).
+"""The train state and its sharded construction from the abstract state (docs/design.md §5.3).
 
     abstract = jax.eval_shape(init)                   # no memory
     shardings = logical names -> mesh axes            # sharding.shardings_from_logical

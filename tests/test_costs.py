@@ -1,0 +1,75 @@
+"""The cost model behind tools/bench_train.py (lca_jax/train/costs.py)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from lca_jax.model import masks
+from lca_jax.model.attention import blockwise_attention
+from lca_jax.train import costs
+from lca_jax.train.state import abstract_params
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def _n(tree):
+  return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
+
+
+def test_useful_flops_closed_form_flat():
+  """Flat model, one document per row: 6 N T + 12 L d T(T+1)/2 per row, plus the head."""
+  cfg = tiny_config("llamabyte")
+  rows, t = 2, 64
+  params = abstract_params(cfg)
+  doc, _, plan = costs.regular_layout(cfg, rows, t)
+  got = costs.useful_flops(cfg, params, doc, plan)
+  enc = 6 * _n(params["encoder"]) * rows * t + 12 * cfg.n_enc * cfg.d_model * rows * t * (t + 1) / 2
+  assert got["encoder"] == pytest.approx(enc)
+  assert got["head"] == pytest.approx(6 * _n(params["head"]) * rows * t)
+  assert got["total"] == pytest.approx(enc + got["head"])
+
+
+def test_latent_stack_counts_real_slots_and_capacity_is_reported():
+  cfg = tiny_config("lca_mbp", max_latent_ratio=0.0)
+  doc, _, plan = costs.regular_layout(cfg, 1, 300, group_len=3.0)
+  assert int(jnp.sum(plan.slot_doc_BS != 0)) == 1 + 100  # null slot + one per group
+  assert plan.null_BS.shape[1] == cfg.latent_capacity(300) > 101
+
+
+def test_tile_flops_match_xla_on_one_tile():
+  """With T = one block XLA counts the whole attention: our per-tile matmul FLOPs (forward
+  QK, PV; backward QK, dV, dP, dQ, dK) are what it counts, up to the elementwise work."""
+  b, t, h, e = 2, 32, 4, 16
+  q = jnp.ones((b, t, h, e), jnp.float32)
+  lo = masks.causal_key_start(jnp.ones((b, t), jnp.int32))
+  f = lambda q: jnp.sum(blockwise_attention(q, q, q, lo, block_q=t, block_k=t))
+  xla = costs.xla_flops(jax.jit(jax.grad(f)).lower(q).compile())
+  ours = 2.0 * b * h * t * t * e * 7
+  assert ours <= xla <= 1.5 * ours
+
+
+def test_loop_correction_counts_every_tile():
+  cfg = tiny_config("llamabyte", attn_block_q=16, attn_block_k=16)
+  doc, _, plan = costs.regular_layout(cfg, 1, 64)
+  corr = costs.attention_loop_correction(cfg, doc, plan, rows=1)
+  assert corr["tiles"] == {"encoder": 10}  # 4 query blocks: 1 + 2 + 3 + 4 tiles
+  per_tile = 2.0 * cfg.n_heads * 16 * 16 * cfg.head_dim * 7
+  assert corr["flops"] == pytest.approx(cfg.n_enc * 9 * per_tile)
+  assert costs.attention_loop_correction(cfg.replace(attention_impl="dense"), doc, plan, 1) == {
+      "tiles": {}, "flops": 0.0}
+
+
+def test_buffers_skip_dense_layer_activations_only():
+  hlo = "\n".join([
+      '  %a = f32[4096,4096]{1,0} dot(%x, %w), metadata={op_name="jit(step)/ByteLM.encode/'
+      'encoder/layer_0/mlp/gate_proj/dot_general"}',
+      '  %b = f32[1,4,4096,4096]{3,2,1,0} dot(%q, %k), metadata={op_name="jit(step)/ByteLM.encode/'
+      'encoder/layer_0/attn/dot_general"}',
+      '  %c = f32[4096,4096]{0,1} copy(%a)',  # no metadata: takes its operand's (an MLP)
+      '  %d = f32[8,4096]{1,0} add(%y, %z), metadata={op_name="jit(step)/x"}',
+  ])
+  got = costs.buffers(hlo, 4096)
+  assert list(got["t_by_t_buffers"]) == ["f32[1,4,4096,4096]"]
+  assert got["largest_buffer"] == "f32[1,4,4096,4096]"
+  assert got["largest_buffer_bytes"] == 4 * 4 * 4096 * 4096
