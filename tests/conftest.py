@@ -60,6 +60,41 @@ def assert_trees_equal(a, b):
     np.testing.assert_array_equal(x, y)
 
 
+# Tolerances of float32 results computed two ways, relative to the scale of the values compared
+# (see assert_close_rel). float32's epsilon is 1.2e-7; these leave room for sums of hundreds of
+# terms through a few layers, in whatever order another CPU's kernels (vector width, blocking),
+# a cache, a sharded reduction or another implementation add them, and stay far below what a
+# wrong mask, index or missing term moves (1e-2 of the scale and more).
+REL_REORDER = 2e-5  # the same math, another summation order (sharding, cache, kernel, remat)
+REL_IMPL = 1e-4  # another implementation (PyTorch vs JAX, vectors computed on another machine)
+_TOL_LOG = os.environ.get("LCA_JAX_TEST_TOL_LOG", "")
+
+
+def assert_close_rel(actual, ref, rel=REL_REORDER, scale=None, err_msg=""):
+  """|actual - ref| <= rel * scale everywhere; ``scale`` defaults to max |ref|.
+
+  Rounding errors of a float32 computation are a few ulps of the largest values it sums, not of
+  each output, so the bound is absolute at the reference's scale: machine-independent (unlike a
+  fixed atol, which is loose on small values and fails on large ones) and without rtol's
+  blow-up on outputs near zero. A zero scale asks for equality. ``LCA_JAX_TEST_TOL_LOG=path``
+  appends each call's observed error / (rel * scale) to ``path``, to check the margins on a
+  new machine.
+  """
+  a, r = np.asarray(actual, np.float64), np.asarray(ref, np.float64)
+  assert a.shape == r.shape, (a.shape, r.shape, err_msg)
+  scale = float(np.max(np.abs(r), initial=0.0)) if scale is None else float(scale)
+  tol = rel * scale
+  if _TOL_LOG:
+    err = float(np.max(np.abs(a - r), initial=0.0))
+    with open(_TOL_LOG, "a") as f:
+      caller = sys._getframe(1)  # pylint: disable=protected-access
+      f.write(f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno} "
+              f"{os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]} "
+              f"{err / tol if tol else float(err > 0):.3g}\n")
+  np.testing.assert_allclose(a, r, rtol=0, atol=tol,
+                             err_msg=f"{err_msg} (tolerance {rel:g} x scale {scale:.4g})")
+
+
 REF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "reference")
 REF_NAMES = ("lca_small", "lca_gqa", "fxt_small")
 
@@ -175,3 +210,14 @@ def tiny_cfg():
 @pytest.fixture(scope="session")
 def jax_key():
   return jax.random.PRNGKey(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_upstream_checkpoint(tmp_path_factory):
+  """A checkpoint directory for the tool smoke tests: random params (``random_params``) of a tiny
+  LCA-MBP model, one layer per stage, in the upstream layout (config.json + model.safetensors)."""
+  from lca_jax.interop import upstream  # pylint: disable=g-import-not-at-top
+  cfg = tiny_config("lca_mbp", n_mbp=1)
+  path = str(tmp_path_factory.mktemp("tiny_upstream_checkpoint"))
+  upstream.write_dir(path, random_params(cfg), cfg)
+  return path

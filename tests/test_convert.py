@@ -24,7 +24,8 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 import lca_jax  # noqa: E402
-from conftest import REF_DIR, REF_NAMES, VARIANTS, random_ids, tiny_config  # noqa: E402
+from conftest import (  # noqa: E402
+    REF_DIR, REF_NAMES, REL_IMPL, VARIANTS, assert_close_rel, random_ids, tiny_config)
 from lca_jax.api import Model  # noqa: E402
 from lca_jax.cli import convert as cli  # noqa: E402
 from lca_jax.interop import convert, safetensors_io, upstream  # noqa: E402
@@ -129,7 +130,7 @@ def test_torch_module_matches_jax(exported, variant):
     a, b = ours[key], theirs.get(key)
     assert (a is None) == (b is None), key
     if a is not None:
-      np.testing.assert_allclose(b.numpy(), a, atol=1e-4, rtol=0, err_msg=key)
+      assert_close_rel(b.numpy(), a, REL_IMPL, err_msg=key)
   if cfg.hierarchical:
     np.testing.assert_array_equal(theirs["boundaries"].numpy(), ours["boundaries"])
     assert 0 < ours["boundaries"].sum() < ours["boundaries"].size
@@ -147,9 +148,9 @@ def test_reference_dir_through_workdir(tmp_path, name):
   out = model.forward(np.stack([v["input_0"][:t], v["input_1"][:t]]))
   for i in (0, 1):
     np.testing.assert_array_equal(out["boundaries"][i], v[f"boundaries_{i}"][:t])
-    np.testing.assert_allclose(out["ntp_logits"][i], v[f"ntp_logits_{i}"][:t], atol=1e-3, rtol=0)
+    assert_close_rel(out["ntp_logits"][i], v[f"ntp_logits_{i}"][:t], REL_IMPL)
     if f"mbp_logits_{i}" in v:
-      np.testing.assert_allclose(out["mbp_logits"][i], v[f"mbp_logits_{i}"][:t], atol=1e-3, rtol=0)
+      assert_close_rel(out["mbp_logits"][i], v[f"mbp_logits_{i}"][:t], REL_IMPL)
     else:
       assert out["mbp_logits"] is None
 

@@ -4,6 +4,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import gzip
 import json
+import re
 import warnings
 
 import numpy as np
@@ -343,6 +344,73 @@ def test_bad_records_skipped_and_counted(tmp_path):
     assert [getattr(x, "reason", None) for x in got] == [None, "undecodable", "not_string", None, "empty"]
 
 
+def test_text_that_is_not_utf8_is_read_as_bytes(tmp_path):
+    """A text file is bytes: Latin-1 or random bytes are trained on exactly as they are in the
+    file (byte b -> id b + 3), nothing replaced, dropped or counted as skipped."""
+    latin = "caf\u00e9 cr\u00e8me\n\n  na\u00efve\r\n  line\n\n  \n".encode("latin-1")
+    (tmp_path / "latin1.txt").write_bytes(latin)
+    got = list(read_documents(str(tmp_path / "latin1.txt"), with_skipped=True))
+    assert got == [b"caf\xe9 cr\xe8me", b"na\xefve\nline"]  # dedented, CRLF -> LF, as for UTF-8
+    p = make_eval_pipeline(str(tmp_path / "latin1.txt"), seq_len=32, batch_size=2, shard_index=0, shard_count=1)
+    batch = next(p)
+    assert vocab.ids_to_bytes(batch["ids"][0][batch["segment_ids"][0] == 1]) == b"caf\xe9 cr\xe8me"
+    assert vocab.ids_to_bytes(batch["ids"][0][batch["segment_ids"][0] == 2]) == b"na\xefve\nline"
+    assert p.stats.skipped == {}
+    # a valid UTF-8 file is unchanged: str documents, its UTF-8 bytes
+    (tmp_path / "utf8.txt").write_bytes("caf\u00e9\n".encode())
+    assert list(read_documents(str(tmp_path / "utf8.txt"))) == ["caf\u00e9"]
+    noise = np.random.default_rng(0).bytes(3000).replace(b"\n", b"x")  # one paragraph
+    (tmp_path / "noise.bin").write_bytes(b"A" + noise + b"Z")
+    p = make_pipeline(str(tmp_path / "noise.bin"), "text", seq_len=64, batch_size=4, shard_index=0, shard_count=1)
+    rows = np.concatenate([next(p)["ids"] for _ in range(12)])  # 48 rows: more than one epoch
+    assert vocab.ids_to_bytes(rows.reshape(-1)[:3002]) == (b"A" + noise + b"Z").strip()
+    assert p.stats.skipped == {}
+
+
+@pytest.mark.parametrize("case", ["jsonl_bad_json", "jsonl_wrong_key", "parquet_empty", "text_blank", "sft"])
+def test_no_usable_record_is_an_error_not_a_hang(tmp_path, case):
+    """When a whole epoch yields no usable record, the training pipeline (endless epochs) and
+    the eval pipeline (one epoch) raise DataError naming the file, after at most two epochs."""
+    if case == "jsonl_bad_json":
+        path = write_jsonl(tmp_path / "bad.jsonl", [], [b"not json %d" % i for i in range(40)] + [b"\xff\xfe{"])
+    elif case == "jsonl_wrong_key":
+        path = str(tmp_path / "other_key.jsonl")
+        with open(path, "w") as f:
+            f.writelines(json.dumps({"body": d}) + "\n" for d in make_docs(30))
+    elif case == "parquet_empty":
+        path = write_parquet(tmp_path / "empty.parquet", [None, "", "  "] * 5, row_group_size=4)
+    elif case == "text_blank":  # blank by Unicode's rules only: kept by the byte split, then empty
+        path = str(tmp_path / "blank.txt")
+        with open(path, "wb") as f:
+            f.write("\u3000\u00a0\n\n\u2003\n".encode())
+    if case == "sft":
+        from lca_jax.data import sft
+        path = str(tmp_path / "long.jsonl")
+        with open(path, "w") as f:  # every example longer than seq_len: all skipped as too_long
+            f.writelines(json.dumps({"messages": [{"role": "user", "content": "q" * 200},
+                                                  {"role": "assistant", "content": "a" * 200}]}) + "\n"
+                         for _ in range(8))
+        pipes = [sft.make_sft_pipeline(path, "chat", seq_len=64, batch_size=2, shard_index=0, shard_count=1),
+                 sft.make_sft_eval_pipeline(path, "chat", seq_len=64, batch_size=2)]
+    else:
+        kw = dict(seq_len=64, batch_size=2, shard_index=0, shard_count=1)
+        pipes = [make_pipeline(path, **kw), make_eval_pipeline(path, **kw)]
+    for p in pipes:
+        with pytest.raises(DataError, match=f"no usable document in {re.escape(path)}: .*whole epoch"):
+            next(p)
+        p.close()
+
+
+def test_one_usable_record_is_enough(tmp_path):
+    """The guard counts bad records in a row: one good document among 60 bad ones, wherever
+    the shuffle puts it, feeds the training pipeline for many epochs, with the skips counted."""
+    path = write_jsonl(tmp_path / "mostly_bad.jsonl", ["the only good one"], [b"not json"] * 60)
+    p = make_pipeline(path, seq_len=32, batch_size=2, shard_index=0, shard_count=1)
+    rows = [s for b in take(p, 10) for s in segments(b)]
+    assert set(rows) == {"the only good one"} and len(rows) == 20
+    assert p.stats.skipped["bad_json"] >= 60 * 19
+
+
 def test_corrupt_parquet_shard_skip_or_error(tmp_path):
     docs = make_docs(20, seed=2)
     write_parquet(tmp_path / "a-good.parquet", docs)
@@ -368,8 +436,9 @@ def test_shard_vanishing_at_read_time(tmp_path):
     path = write_jsonl(tmp_path / "gone.jsonl", docs)
     p = make_eval_pipeline(path, seq_len=128, batch_size=4, shard_index=0, shard_count=1, read_threads=1)
     os.remove(path)
-    with pytest.warns(BadShardWarning, match="gone.jsonl"):
-        assert list(p) == []
+    with pytest.warns(BadShardWarning, match="gone.jsonl"):  # all gone: an error, not 0 batches
+        with pytest.raises(DataError, match=r"no usable document in .*gone.jsonl: .*\(unreadable 20 "):
+            list(p)
     assert p.stats.skipped == {"unreadable": 20}
     assert [os.path.basename(f) for f, _ in p.stats.bad_shards] == ["gone.jsonl"]
     write_jsonl(tmp_path / "gone.jsonl", docs)

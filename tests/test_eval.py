@@ -258,6 +258,7 @@ def test_group_lengths_and_bpb_weighting(ckpts, files, capsys):
   assert res["bytes_per_latent"] == pytest.approx(1 / res["boundary_rate"])
   # target-weighted over the run, not a mean of batch means
   import lca_jax
+  from conftest import assert_close_rel
   from lca_jax.data import make_eval_pipeline
   model = lca_jax.load(ckpts["lca"])
   batches = list(make_eval_pipeline(files["text"], "text", 48, 2, shard_index=0, shard_count=1))
@@ -265,7 +266,7 @@ def test_group_lengths_and_bpb_weighting(ckpts, files, capsys):
   for head in ("ntp", "mbp"):
     n = [p[f"targets_{head}"] for p in parts]
     want = sum(p[f"bpb_{head}"] * k for p, k in zip(parts, n)) / sum(n)
-    assert res[f"bpb_{head}"] == pytest.approx(want, rel=1e-5)
+    assert_close_rel(res[f"bpb_{head}"], want)
     assert res[f"targets_{head}"] == sum(n)
 
 

@@ -1,14 +1,21 @@
 """Fault tolerance with real processes: a save killed before its commit is never restored, a
-corrupt latest checkpoint falls back to the previous one with a warning naming it, a killed peer
-makes the survivor exit within the heartbeat bound, errors of multi-process runs are one line,
-the hang watchdog. The child driver and helpers live in tests/test_multihost.py."""
+corrupt latest checkpoint falls back to the previous one with a warning naming it, Ctrl-C
+checkpoints the completed steps, a work directory in use is refused and a dead run's lock taken
+over, a killed peer makes the survivor exit within the heartbeat bound, errors of multi-process
+runs are one line, the hang watchdog. The child driver and helpers live in
+tests/test_multihost.py."""
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import errno  # noqa: E402
 import glob  # noqa: E402
 import importlib.util  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -31,6 +38,7 @@ from lca_jax.cli import train as cli  # noqa: E402
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from lca_jax.train import loop  # noqa: E402
 from lca_jax.train import manifest  # noqa: E402
+from lca_jax.train import workdir_lock  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -164,6 +172,136 @@ def test_unwritable_checkpoint_folder(tmp_path, capsys):
                   [f"--config.{o}" for o in mh.TINY])
   err = capsys.readouterr().err.strip()
   assert code == 2 and "cannot write to checkpoint folder" in err and len(err.splitlines()) == 1
+
+
+# ---- Ctrl-C and the work directory lock ---------------------------------------------------
+# The child gets SIGINT at its default: pytest run from a script in the background may have it
+# ignored, and lca-train leaves an ignored SIGINT ignored. (exec keeps the pid.)
+_SIGINT_DFL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+               "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+
+
+def _start_training(tmp_path, wd, *overrides):
+  """lca-train (the child driver, 8 devices) training ``wd`` in the background, far from done
+  and without periodic checkpoints."""
+  return mh.Proc([sys.executable, "-c", _SIGINT_DFL, mh.THIS, "--child"] +
+                 mh.train_args(wd, "train.steps=100000", "train.checkpoint_every=100000",
+                               *overrides), mh.child_env(8), tmp_path / "child.log")
+
+
+def _wait_for_steps(p, wd, n, timeout=400):
+  """Until ``wd``'s metrics.jsonl has ``n`` lines (steps done)."""
+  path = os.path.join(wd, "metrics.jsonl")
+  deadline = time.time() + timeout
+  while not (os.path.exists(path) and len(open(path).readlines()) >= n):
+    if p.p.poll() is not None or time.time() > deadline:
+      p.kill()
+      pytest.fail(f"the child did not train {n} steps:\n{p.output()[-3000:]}")
+    time.sleep(0.1)
+
+
+def _dead_pid() -> int:
+  child = subprocess.Popen([sys.executable, "-c", "pass"])
+  child.wait()
+  return child.pid
+
+
+def test_ctrl_c_checkpoints_the_completed_steps_and_resumes(tmp_path):
+  """Ctrl-C (SIGINT to the process group, as a terminal sends it: the data worker process gets
+  it too) a few steps into a run: it checkpoints the last completed step (the only checkpoint:
+  no periodic ones), says so, exits 130 and releases the workdir; resuming it gives exactly an
+  uninterrupted run's params."""
+  wd = str(tmp_path / "wd")
+  workers = "data.worker_count=1"
+  p = _start_training(tmp_path, wd, workers)
+  _wait_for_steps(p, wd, 3)
+  os.killpg(p.p.pid, signal.SIGINT)
+  rc = p.wait(timeout=200)
+  out = p.output()
+  n = len(mh.metrics(wd))
+  assert rc == 130, out[-3000:]
+  assert f"lca-train: interrupted at step {n} (checkpoint saved; rerun to resume)" in out, out[-3000:]
+  assert "Traceback" not in out and "Ctrl-C again quits at once" in out
+  assert ckpt_lib.Checkpointer(wd, read_only=True).all_steps() == [n]
+  assert not os.path.exists(os.path.join(wd, workdir_lock.LOCK_FILE))
+  res = loop.train_and_evaluate(tiny_config(f"train.steps={n + 2}", workers), wd)
+  assert res.step == n + 2 and [m["step"] for m in mh.metrics(wd)] == list(range(1, n + 3))
+  ref = loop.train_and_evaluate(tiny_config(f"train.steps={n + 2}", workers), str(tmp_path / "ref"))
+  assert_trees_equal(host_params(res.state), host_params(ref.state))
+
+
+def test_second_run_on_a_live_workdir_is_refused(tmp_path, capsys):
+  """While a run trains, a second lca-train on its workdir exits 2 in one line naming the
+  owner's pid and host, and touches nothing there; the first run goes on undisturbed."""
+  wd = str(tmp_path / "wd")
+  p = _start_training(tmp_path, wd)
+  try:
+    _wait_for_steps(p, wd, 2)
+    with open(os.path.join(wd, "train_config.json")) as f:
+      config_before = f.read()
+    code = cli.main(["--config", mh.CONFIG, "--workdir", wd] +
+                    [f"--config.{o}" for o in mh.TINY + ["train.steps=4", "train.seed=7"]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"lca-train: error: workdir {wd} is in use by another lca-train run "
+                             f"(pid {p.p.pid} on host {socket.gethostname()} since "), err
+    with open(os.path.join(wd, "train_config.json")) as f:
+      assert f.read() == config_before
+  finally:
+    p.p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=200)
+  assert rc == 0, p.output()[-3000:]
+  steps = [m["step"] for m in mh.metrics(wd)]
+  assert steps == list(range(1, len(steps) + 1))  # one run's lines, each step once
+  assert ckpt_lib.Checkpointer(wd, read_only=True).all_steps() == [steps[-1]]
+
+
+def test_dead_runs_lock_is_taken_over(tmp_path, capsys):
+  """A lock file left by a run that died (this host, pid gone: SIGKILL never cleans up) does
+  not block the next run, which notes whose lock it takes over and removes it when done."""
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  dead = _dead_pid()
+  (wd / workdir_lock.LOCK_FILE).write_text(json.dumps(
+      {"pid": dead, "host": socket.gethostname(), "started": time.time() - 60}))
+  code = cli.main(["--config", mh.CONFIG, "--workdir", str(wd)] +
+                  [f"--config.{o}" for o in mh.TINY + ["train.steps=2"]])
+  err = capsys.readouterr().err
+  assert code == 0, err
+  assert (f"lca-train: note: taking over the lock of a run that is no longer running (pid {dead} "
+          f"on host {socket.gethostname()}") in err
+  assert not (wd / workdir_lock.LOCK_FILE).exists()
+
+
+def test_lock_in_process_and_without_flock(tmp_path, monkeypatch):
+  """flock: a second lock on a locked workdir is refused (even in the same process), a released
+  one can be taken again. A filesystem without locks: the pid decides on this host, an owner
+  on another host is refused with the file to remove."""
+  path = tmp_path / workdir_lock.LOCK_FILE
+  host = socket.gethostname()
+  first = workdir_lock.acquire(str(tmp_path))
+  with pytest.raises(workdir_lock.WorkdirLockedError, match=f"pid {os.getpid()} on host {host}"):
+    workdir_lock.acquire(str(tmp_path))
+  first.release()
+  assert not path.exists()
+  workdir_lock.acquire(str(tmp_path)).release()
+  assert workdir_lock.acquire(str(tmp_path), process_index=1).path == ""  # only process 0 locks
+
+  def no_flock(fd, op):
+    raise OSError(errno.ENOLCK, "No locks available")
+  monkeypatch.setattr(workdir_lock.fcntl, "flock", no_flock)
+  path.write_text(json.dumps({"pid": os.getppid(), "host": host}))  # alive: pytest's parent
+  with pytest.raises(workdir_lock.WorkdirLockedError, match=f"pid {os.getppid()} on host {host}"):
+    workdir_lock.acquire(str(tmp_path))
+  path.write_text(json.dumps({"pid": 12345, "host": "elsewhere"}))
+  with pytest.raises(workdir_lock.WorkdirLockedError,
+                     match=f"host elsewhere.*remove {re.escape(str(path))} if it is not"):
+    workdir_lock.acquire(str(tmp_path))
+  path.write_text(json.dumps({"pid": _dead_pid(), "host": host}))
+  lock = workdir_lock.acquire(str(tmp_path))
+  assert json.loads(path.read_text())["pid"] == os.getpid()
+  lock.release()
+  assert not path.exists()
 
 
 # ---- multi-process failures ---------------------------------------------------------------

@@ -18,6 +18,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from conftest import assert_close_rel  # noqa: E402
 from test_kernels import _FAST_COMPILE, random_qkv, scenario_rows  # noqa: E402
 from lca_jax.kernels import lca_attention, lca_attention_reference  # noqa: E402
 from lca_jax.kernels import sharded  # noqa: E402
@@ -126,8 +127,7 @@ def test_sharded_pallas_matches_reference(name):
 
   assert out.shape == q.shape and out.dtype == q.dtype
   for got, want, what in zip((out, *grads), (ref_out, *ref_grads), ("out", "dq", "dk", "dv")):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5,
-                               err_msg=what)
+    assert_close_rel(got, want, err_msg=what)
   if use_docs:  # padding rows are exactly zero
     assert not np.asarray(out)[doc == 0].any()
 
@@ -192,7 +192,7 @@ def test_sharded_train_step_pallas_matches_xla(fast_compile):
         assert not batch_gathers(step.as_text())  # micro-batch rows == B
       state, metrics = step(state, batch)
     results[impl] = (float(metrics["loss"]), host_params(state))
-  np.testing.assert_allclose(results["pallas"][0], results["xla"][0], rtol=1e-5)
+  assert_close_rel(results["pallas"][0], results["xla"][0])
   for x, y in zip(jax.tree_util.tree_leaves(results["pallas"][1]),
                   jax.tree_util.tree_leaves(results["xla"][1])):
-    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+    assert_close_rel(x, y)

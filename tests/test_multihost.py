@@ -397,12 +397,13 @@ def _reference(steps):
 def test_two_processes_match_one_process_and_load(two_process_run):
   import jax  # pylint: disable=g-import-not-at-top
   import lca_jax  # pylint: disable=g-import-not-at-top
+  from conftest import assert_close_rel  # pylint: disable=g-import-not-at-top
   r = two_process_run
   assert r["rc1"] == 0 and r["rc2"] == 0, (r["out1"][-2000:], r["out2"][-2000:])
   losses, ref_params = _reference(STEPS)
   got = [m["loss"] for m in metrics(r["workdir"])]
   # Cross-process all-reduces (gloo) sum in another order than one process: ~1e-7 apart.
-  np.testing.assert_allclose(got, losses, rtol=2e-6)
+  assert_close_rel(got, losses)
   model = lca_jax.load(r["workdir"])  # one process, one device
   loaded = {jax.tree_util.keystr(k): np.asarray(v)
             for k, v in jax.tree_util.tree_leaves_with_path(model.params)}
@@ -411,7 +412,7 @@ def test_two_processes_match_one_process_and_load(two_process_run):
   for k in loaded:  # the checkpoint holds exactly what the two processes ended with
     np.testing.assert_array_equal(loaded[k], dumped[k], err_msg=k)
   for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(ref_params)):
-    np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
+    assert_close_rel(a, b)
 
 
 @pytest.mark.usefixtures("fast_compile")

@@ -9,6 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 from safetensors.torch import save_file  # noqa: E402
 
+from conftest import REL_IMPL, assert_close_rel  # noqa: E402
+
 from lca_jax.interop.torch_model import (  # noqa: E402
     TorchHierarchicalLM,
     load_torch_model,
@@ -17,7 +19,6 @@ from lca_jax.interop.torch_model import (  # noqa: E402
 
 REF = os.path.join(os.path.dirname(__file__), "data", "reference")
 NAMES = ["lca_small", "lca_gqa", "fxt_small"]
-ATOL = 1e-3
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -35,11 +36,11 @@ def test_reference_vectors(ref, i):
     name, model, v = ref
     out = _run(model, v[f"input_{i}"])
     np.testing.assert_array_equal(out["boundaries"][0].numpy(), v[f"boundaries_{i}"])
-    np.testing.assert_allclose(out["ntp_logits"][0].numpy(), v[f"ntp_logits_{i}"], atol=ATOL, rtol=0)
+    assert_close_rel(out["ntp_logits"][0].numpy(), v[f"ntp_logits_{i}"], REL_IMPL)
     if name == "fxt_small":
         assert out["mbp_logits"] is None and f"mbp_logits_{i}" not in v
     else:
-        np.testing.assert_allclose(out["mbp_logits"][0].numpy(), v[f"mbp_logits_{i}"], atol=ATOL, rtol=0)
+        assert_close_rel(out["mbp_logits"][0].numpy(), v[f"mbp_logits_{i}"], REL_IMPL)
     assert "mlp_mbp_logits" not in out
 
 
@@ -53,16 +54,16 @@ def test_batch_consistency(ref):
             assert two[k] is None
             continue
         for r in range(2):
-            np.testing.assert_allclose(two[k][r].numpy(), one[k][0].numpy(), atol=1e-5, rtol=0)
+            assert_close_rel(two[k][r].numpy(), one[k][0].numpy())
     # Two different rows (different group counts per row). The model is causal, so a prefix's
     # outputs equal the first rows of the full sequence's reference vectors.
     T = min(len(x0), len(x1))
     out = _run(model, x0[:T], x1[:T])
     for r in range(2):
         np.testing.assert_array_equal(out["boundaries"][r].numpy(), v[f"boundaries_{r}"][:T])
-        np.testing.assert_allclose(out["ntp_logits"][r].numpy(), v[f"ntp_logits_{r}"][:T], atol=ATOL, rtol=0)
+        assert_close_rel(out["ntp_logits"][r].numpy(), v[f"ntp_logits_{r}"][:T], REL_IMPL)
         if out["mbp_logits"] is not None:
-            np.testing.assert_allclose(out["mbp_logits"][r].numpy(), v[f"mbp_logits_{r}"][:T], atol=ATOL, rtol=0)
+            assert_close_rel(out["mbp_logits"][r].numpy(), v[f"mbp_logits_{r}"][:T], REL_IMPL)
 
 
 def test_greedy_full_forward(ref):
@@ -131,17 +132,17 @@ def test_flat_model_by_hand(tmp_path):
     gate = W(p + "mlp.gate_proj.weight") @ n2
     x = x + W(p + "mlp.down_proj.weight") @ (gate / (1 + torch.exp(-gate)) * (W(p + "mlp.up_proj.weight") @ n2))
     want = W("head.weight") @ _rms(x, W("norm.weight"))
-    np.testing.assert_allclose(out["ntp_logits"][0, 0].numpy(), want.numpy(), atol=1e-4, rtol=1e-5)
+    assert_close_rel(out["ntp_logits"][0, 0].numpy(), want.numpy())
     # Causality: logits at t do not depend on bytes after t; identity blocks give head(norm(embed)).
     ids = torch.tensor([[10, 20, 30, 40], [10, 20, 31, 99]])
     out = model.forward(ids)["ntp_logits"]
-    np.testing.assert_allclose(out[0, :2].numpy(), out[1, :2].numpy(), atol=1e-5, rtol=0)
+    assert_close_rel(out[0, :2].numpy(), out[1, :2].numpy())
     assert (out[0, 2:] - out[1, 2:]).abs().max() > 1e-3
     st0 = dict(st, **{p + "attn.out_proj.weight": torch.zeros(8, 8), p + "mlp.down_proj.weight": torch.zeros(8, 16)})
     ident = TorchHierarchicalLM(cfg)
     ident.load_state_dict(st0)
     want = _rms(st["token_embedding.weight"][ids], st["norm.weight"]) @ st["head.weight"].T
-    np.testing.assert_allclose(ident.forward(ids)["ntp_logits"].numpy(), want.numpy(), atol=1e-4, rtol=1e-5)
+    assert_close_rel(ident.forward(ids)["ntp_logits"].numpy(), want.numpy())
 
 
 def test_mlp_mbp_heads(tmp_path):
@@ -162,7 +163,7 @@ def test_mlp_mbp_heads(tmp_path):
         f1 = _rms(h, st[f"mlp_mbp.{i}.norm.weight"]) @ st[f"mlp_mbp.{i}.fc1.weight"].T
         hi = h + (f1 * torch.sigmoid(f1)) @ st[f"mlp_mbp.{i}.fc2.weight"].T
         want = _rms(hi, st["norm.weight"]) @ st["head.weight"].T
-        np.testing.assert_allclose(out["mlp_mbp_logits"][0, i].numpy(), want.numpy(), atol=1e-4, rtol=1e-5)
+        assert_close_rel(out["mlp_mbp_logits"][0, i].numpy(), want.numpy())
 
 
 def _ids(data: bytes):
@@ -206,6 +207,6 @@ def test_spacebyte_model(tmp_path):
     np.testing.assert_array_equal(out["boundaries"].numpy(), spacebyte_boundaries(ids, 5).numpy())
     assert out["ntp_logits"].shape == out["mbp_logits"].shape == (1, len(text), 261)
     pre = model.forward(ids[:, :17])
-    np.testing.assert_allclose(pre["ntp_logits"][0].numpy(), out["ntp_logits"][0, :17].numpy(), atol=1e-4, rtol=0)
-    np.testing.assert_allclose(pre["mbp_logits"][0].numpy(), out["mbp_logits"][0, :17].numpy(), atol=1e-4, rtol=0)
+    assert_close_rel(pre["ntp_logits"][0].numpy(), out["ntp_logits"][0, :17].numpy())
+    assert_close_rel(pre["mbp_logits"][0].numpy(), out["mbp_logits"][0, :17].numpy())
     assert math.isfinite(float(out["ntp_logits"].abs().max()))

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from conftest import TRAIN_TINY, assert_trees_equal, host_params  # noqa: E402
+from conftest import TRAIN_TINY, assert_close_rel, assert_trees_equal, host_params  # noqa: E402
 from lca_jax import configs_io  # noqa: E402
 from lca_jax.cli import train as cli  # noqa: E402
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
@@ -123,9 +123,9 @@ def test_sharded_step_matches_single_device():
       spec = state.params["lm"]["layer_0"]["attn"]["q_proj"]["kernel"].sharding.spec
       assert tuple(spec) == ("fsdp", "tensor")
     results.append((losses, host_params(state)))
-  np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-5)
+  assert_close_rel(results[0][0], results[1][0])
   for x, y in zip(jax.tree_util.tree_leaves(results[0][1]), jax.tree_util.tree_leaves(results[1][1])):
-    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+    assert_close_rel(x, y)
 
 
 def _batches(n):
@@ -186,6 +186,44 @@ def test_cli_config_mismatch_names_fields(straight, capsys):
   assert code == 2 and "does not match the checkpoint" in err
   assert "model.d_inner: checkpoint 64, now 128" in err and "optim.lr" in err
   assert len(err.splitlines()) == 1
+
+
+def test_cli_no_usable_record_stops_in_one_line(tmp_path, capsys):
+  """A jsonl whose every line is invalid: exit 2 with one line naming the file (no endless
+  loop over new epochs)."""
+  bad = tmp_path / "bad.jsonl"
+  bad.write_bytes(b"not json\n" * 30 + b'{"body": "no text key"}\n' * 5)
+  code, err = run_cli(capsys, tmp_path / "wd", f"data.train_files={bad}", "data.format=jsonl",
+                      "train.steps=3")
+  last = err.splitlines()[-1]
+  assert code == 2 and last.startswith(f"lca-train: error: no usable document in {bad}: "), err
+  assert "a whole epoch of its 35 records was skipped (bad_json " in last, last
+  assert "not_string" in last and "Traceback" not in err
+
+
+def test_cli_trains_on_non_utf8_text_and_counts_skipped_records(tmp_path, capsys):
+  """Latin-1 text and random bytes are bytes to train on (exit 0); a jsonl's bad lines are
+  skipped, and their count is in metrics.jsonl (an integer, cumulative) and the summary line."""
+  latin = tmp_path / "latin1.txt"
+  latin.write_bytes(("Voil\u00e0 un texte en fran\u00e7ais, cod\u00e9 en Latin-1.\n\n" * 20)
+                    .encode("latin-1"))
+  noise = tmp_path / "noise.txt"
+  noise.write_bytes(np.random.default_rng(0).bytes(4000))
+  code, err = run_cli(capsys, tmp_path / "wd1", f"data.train_files={latin},{noise}",
+                      "data.format=text", "train.steps=2")
+  assert code == 0 and "lca-train: done at step 2" in err and "skipped" not in err, err
+  mixed = tmp_path / "mixed.jsonl"
+  with open(mixed, "wb") as f:  # ~600 bytes of documents per epoch: 3 steps read every line
+    for i in range(6):
+      f.write(json.dumps({"text": f"document {i} " + "words " * 15}).encode() + b"\n")
+      f.write(b"{broken json\n")
+  code, err = run_cli(capsys, tmp_path / "wd2", f"data.train_files={mixed}", "data.format=jsonl",
+                      "train.steps=3")
+  assert code == 0, err
+  lines = [json.loads(l) for l in open(tmp_path / "wd2" / "metrics.jsonl")]
+  counts = [l["skipped_records"] for l in lines]
+  assert all(isinstance(c, int) for c in counts) and counts == sorted(counts) and counts[-1] >= 6
+  assert f"{counts[-1]} bad records skipped (bad_json {counts[-1]})" in err.splitlines()[-1], err
 
 
 def test_metrics_lines_after_resume_point_are_dropped(tmp_path):

@@ -3,9 +3,11 @@
     lca-train --config configs/tiny_lca_mbp.py --workdir workdirs/demo [--config.train.steps=600 ...]
 
 A work directory that already holds a checkpoint is resumed from its latest one. SIGTERM
-checkpoints and exits 0 (rerun the same command to continue). Problems with the config, the
-data, the work directory or the batch layout are reported in one line (exit status 2); a
-non-finite loss exits with status 1. Multi-host: jax.distributed.initialize() runs when
+checkpoints and exits 0, Ctrl-C (SIGINT) checkpoints and exits 130 (a second Ctrl-C quits at
+once without the checkpoint); rerun the same command to continue. A work directory in use by
+another live run is refused (its pid and host named). Problems with the config, the data, the
+work directory or the batch layout are reported in one line (exit status 2); a non-finite loss
+exits with status 1. Multi-host: jax.distributed.initialize() runs when
 ``--distributed`` / ``--coordinator`` is given or the environment looks like a multi-process
 launch (SLURM with more than one task, JAX_COORDINATOR_ADDRESS or JAX_NUM_PROCESSES > 1 set);
 see lca_jax/train/distributed.py and launch/. A process of a multi-process run that dies makes
@@ -112,13 +114,17 @@ def main(argv=None) -> int:
     return _fail_multi(multi, "", 130)
   msg = f"lca-train: done at step {result.step}"
   if result.stopped:
-    msg = f"lca-train: stopped at step {result.step} (checkpoint saved; rerun to resume)"
+    how = "interrupted" if result.interrupted else "stopped"
+    msg = f"lca-train: {how} at step {result.step} (checkpoint saved; rerun to resume)"
   if result.last_train:
     msg += f", loss {result.last_train.get('loss', float('nan')):.4f}"
   if result.last_eval:
     msg += f", eval bpb_ntp {result.last_eval['bpb_ntp']:.4f}"
+  if result.skipped:
+    msg += (f", {sum(result.skipped.values())} bad records skipped ("
+            + ", ".join(f"{k} {v}" for k, v in sorted(result.skipped.items())) + ")")
   print(msg + f" ({result.workdir})", file=sys.stderr, flush=True)
-  return 0
+  return 130 if result.interrupted else 0
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import signal
 import sys
 import threading
 from typing import Any, Sequence
@@ -43,7 +44,7 @@ import numpy as np
 from grain.experimental import index_shuffle
 
 from lca_jax.data.errors import DataError
-from lca_jax.data.packing import PackIterDataset, encode_document
+from lca_jax.data.packing import PackIterDataset, SkipGuard, encode_document
 from lca_jax.data.sources import DocumentIndex, open_index
 
 
@@ -100,6 +101,15 @@ class DocumentOrder(Sequence):
 
     def __len__(self) -> int:
         return sys.maxsize if self.num_epochs is None else self.n_local * int(self.num_epochs)
+
+    def skip_guard(self) -> SkipGuard:
+        """The packers' guard against a stream without usable records: bad records in a row
+        that mean a whole epoch of this shard has no usable one. Any ``2 * n_local - 1``
+        consecutive positions hold every position of some epoch (a finite stream: all of it)."""
+        paths = self.reader.paths
+        more = f" and {len(paths) - 3} more files" if len(paths) > 3 else ""
+        return SkipGuard(limit=min(2 * self.n_local - 1, len(self)), epoch=self.n_local,
+                         source=", ".join(paths[:3]) + more)
 
     def _plan(self, epoch: int):
         """(unit order, per-block seeds, cumulative doc counts) as Python lists (fast bisect)."""
@@ -255,6 +265,13 @@ def _ensure_absl_flags_parsed():
         flags.FLAGS.mark_as_parsed()
 
 
+def _ignore_sigint(worker_index: int, worker_count: int) -> None:
+    """grain worker init: Ctrl-C goes to the terminal's whole process group, and only the main
+    process acts on it (lca-train checkpoints, then closes the workers), so workers ignore it."""
+    del worker_index, worker_count
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def checkpoint_handler():
     """The orbax item handler for pipeline iterators (``grain.checkpoint.CheckpointHandler``)."""
     return grain.checkpoint.CheckpointHandler()
@@ -270,7 +287,8 @@ def batch_and_prefetch(it, batch_size, drop_remainder, pad_final_batch, worker_c
     if worker_count > 0:
         _ensure_absl_flags_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count,
-                                                          per_worker_buffer_size=worker_buffer_size))
+                                                          per_worker_buffer_size=worker_buffer_size),
+                            worker_init_fn=_ignore_sigint)
     if max_batches is not None:
         it = grain.experimental.LimitIterDataset(it, int(max_batches))
     return it
@@ -304,7 +322,7 @@ def make_pipeline(files: str | Sequence[str], format: str | None = None, seq_len
                           holdout_every=holdout_every)
     ds = grain.MapDataset.source(order).map(encode_document)
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(64, 16 * read_threads)))
-    it = PackIterDataset(it, seq_len, packing)
+    it = PackIterDataset(it, seq_len, packing, guard=order.skip_guard())
     it = batch_and_prefetch(it, batch_size, drop_remainder, pad_final_batch, worker_count, worker_buffer_size,
                             max_batches)
     config = dict(files=files, format=format, reader=type(index.reader).__name__, seq_len=seq_len,

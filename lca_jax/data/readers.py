@@ -4,7 +4,9 @@ A reader (``make_reader`` picks one per format: parquet, jsonl, text, array_reco
 ``scan``s each file into units of known size in the main process, then ``read``s one document
 by ``(file, part, row)`` from grain's reader threads / worker processes, thread-safely, with a
 small LRU cache of loaded units; readers pickle without their caches, locks and handles, which
-are rebuilt lazily in each process. A bad record comes back as a :class:`Skipped` marker; a unit
+are rebuilt lazily in each process. A document is a ``str`` (trained on as its UTF-8 bytes), or
+``bytes`` for a text-format document that is not valid UTF-8 (see :class:`TextReader`: the
+bytes as they are). A bad record comes back as a :class:`Skipped` marker; a unit
 that fails at read time is a bad shard (``BadShardWarning`` once, or ``DataError`` when
 ``on_bad_shard="error"``). File globbing, format inference and the document index over a
 reader's units are in :mod:`lca_jax.data.sources`.
@@ -206,6 +208,16 @@ _BLANK = re.compile(rb"\n[ \t\r\f\v]*\n")
 
 
 class TextReader(_LineReader):
+    """Plain text files: blank-line separated paragraphs (``text_mode="paragraphs"``: each one
+    dedented, CRLF -> LF, stripped) or one document per file (``"file"``).
+
+    A text file is a sequence of bytes, and a byte-level model trains on bytes: a document that
+    is not valid UTF-8 (Latin-1 or another legacy encoding, binary data) is kept, byte for
+    byte, and comes back as ``bytes`` (a Latin-1 "\xe9" is the one byte 0xE9, not "é"'s two
+    UTF-8 bytes); valid UTF-8 comes back as ``str``. Invalid bytes are never replaced,
+    dropped or counted as skipped; only paragraphs of whitespace are skipped ("empty").
+    """
+
     def __init__(self, paths, text_mode: str = "paragraphs", **kw):
         if text_mode not in ("paragraphs", "file"):
             raise ValueError(f"text_mode must be 'paragraphs' or 'file', got {text_mode!r}")
@@ -227,9 +239,15 @@ class TextReader(_LineReader):
         raw = self._bytes(file_idx, row)
         if raw is None:
             return Skipped("unreadable")
-        text = validate_text(raw)
+        try:
+            text, utf8 = raw.decode("utf-8"), True
+        except UnicodeDecodeError:  # each invalid byte -> a lone surrogate that encodes back to
+            text, utf8 = raw.decode("utf-8", errors="surrogateescape"), False  # it (not whitespace)
+        text = validate_text(text)
         if isinstance(text, str) and self.text_mode == "paragraphs":
             text = textwrap.dedent(text.replace("\r\n", "\n")).strip()
+        if isinstance(text, str) and not utf8:  # not UTF-8: the bytes as they are
+            return text.encode("utf-8", errors="surrogateescape")
         return text
 
 

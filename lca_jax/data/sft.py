@@ -22,6 +22,7 @@ import grain
 import numpy as np
 
 from lca_jax.data.errors import DataError, Skipped
+from lca_jax.data.packing import SkipGuard
 from lca_jax.data.pipeline import DocumentOrder, Pipeline
 from lca_jax.data.readers import JsonlReader
 from lca_jax.data.sft_format import (SFT_FORMATS, ExampleError, encode_example, expand_qa, format_prompt,
@@ -68,12 +69,14 @@ class SftJsonlReader(JsonlReader):
 
 # ---- packing ------------------------------------------------------------------------------
 class _SftPackIterator(grain.DatasetIterator):
-    def __init__(self, parent, seq_len: int, packing: str):
+    def __init__(self, parent, seq_len: int, packing: str, guard: SkipGuard | None = None):
         super().__init__(parent)
         self._T, self._packing = seq_len, packing
+        self._guard = guard
         self._pending = None
         self._pending_state = None
         self._skipped: dict[str, int] = {}
+        self._run = 0  # examples skipped in a row
 
     def _next_example(self):
         while True:
@@ -81,7 +84,11 @@ class _SftPackIterator(grain.DatasetIterator):
             x = next(self._parent)  # StopIteration propagates
             if isinstance(x, Skipped):
                 self._skipped[x.reason] = self._skipped.get(x.reason, 0) + 1
+                self._run += 1
+                if self._guard is not None:
+                    self._guard.check(self._run, self._skipped)
                 continue
+            self._run = 0
             return state, x
 
     def __next__(self):
@@ -114,11 +121,12 @@ class _SftPackIterator(grain.DatasetIterator):
     def get_state(self):
         pending = self._pending is not None
         return {"parent": self._pending_state if pending else self._parent.get_state(),
-                "has_pending": pending, "lca_skipped": dict(self._skipped)}
+                "has_pending": pending, "lca_skipped": dict(self._skipped), "skip_run": self._run}
 
     def set_state(self, state):
         self._parent.set_state(state["parent"])
         self._skipped = {k: int(v) for k, v in state["lca_skipped"].items()}
+        self._run = int(state.get("skip_run", 0))
         self._pending = self._pending_state = None
         if state["has_pending"]:
             self._pending_state = state["parent"]
@@ -126,16 +134,19 @@ class _SftPackIterator(grain.DatasetIterator):
 
 
 class SftPackIterDataset(grain.IterDataset):
-    """Packs encoded examples ``{"ids", "loss_mask"}`` (each <= seq_len) into rows."""
+    """Packs encoded examples ``{"ids", "loss_mask"}`` (each <= seq_len) into rows; ``guard``
+    ends a stream without usable examples (as :class:`lca_jax.data.packing.PackIterDataset`)."""
 
-    def __init__(self, parent: grain.IterDataset, seq_len: int, packing: str = "segmented"):
+    def __init__(self, parent: grain.IterDataset, seq_len: int, packing: str = "segmented", *,
+                 guard: SkipGuard | None = None):
         if packing not in SFT_PACKING:
             raise ValueError(f"SFT packing must be one of {SFT_PACKING}, got {packing!r}")
         super().__init__(parent)
         self._seq_len, self._packing = int(seq_len), packing
+        self._guard = guard
 
     def __iter__(self):
-        return _SftPackIterator(self._parent.__iter__(), self._seq_len, self._packing)
+        return _SftPackIterator(self._parent.__iter__(), self._seq_len, self._packing, self._guard)
 
 
 def check_first_example(files, sft_format: str) -> None:
@@ -184,7 +195,7 @@ def make_sft_pipeline(files: str | Sequence[str], sft_format: str, seq_len: int 
                           shard_count=shard_count, num_epochs=num_epochs)
     it = grain.MapDataset.source(order).to_iter_dataset(
         grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(64, 16 * read_threads)))
-    it = SftPackIterDataset(it, seq_len, packing)
+    it = SftPackIterDataset(it, seq_len, packing, guard=order.skip_guard())
     from lca_jax.data.pipeline import batch_and_prefetch
     it = batch_and_prefetch(it, batch_size, drop_remainder, pad_final_batch, worker_count, worker_buffer_size,
                             max_batches)

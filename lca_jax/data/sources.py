@@ -13,6 +13,8 @@ Formats (``files`` are glob patterns, a str or a list of them):
   * ``text``         ``text_mode="paragraphs"`` (default): documents are blocks
                      separated by blank lines, each dedented and stripped;
                      ``text_mode="file"``: one document per file.  ``.gz`` is fine.
+                     A document that is not valid UTF-8 is its bytes as they are
+                     (``bytes``, not skipped: see ``readers.TextReader``).
   * ``array_record`` records are UTF-8 text, or a JSON object with ``text_key``
                      (``record_format="auto"|"text"|"json"``).
   * ``tfds``         ``files`` is a dataset name (``tfds.data_source(name,
@@ -22,7 +24,8 @@ Formats (``files`` are glob patterns, a str or a list of them):
                      is not needed.
 
 Bad records (non-string, empty/whitespace-only, undecodable, bad JSON, unreadable)
-are returned as :class:`Skipped` markers and counted downstream.  A shard that
+are returned as :class:`Skipped` markers and counted downstream; a pipeline whose
+whole epoch is bad records raises :class:`DataError` (``packing.SkipGuard``).  A shard that
 cannot be opened/indexed is skipped with a :class:`BadShardWarning` naming it
 (``on_bad_shard="skip"``) or raises :class:`DataError` naming it (``"error"``).
 """
@@ -113,8 +116,9 @@ def open_index(files, format: str | None = None, *, on_bad_shard: str = "skip", 
 
 
 def read_documents(files, format: str | None = None, *, with_skipped: bool = False, **kw):
-    """Yields every document in natural order (files sorted, rows in order); bad records
-    are dropped unless ``with_skipped`` (then :class:`Skipped` markers are yielded)."""
+    """Yields every document (``str``; ``bytes`` for a text-format one that is not UTF-8) in
+    natural order (files sorted, rows in order); bad records are dropped unless
+    ``with_skipped`` (then :class:`Skipped` markers are yielded)."""
     index = open_index(files, format, **kw)
     for f, part, n in index.units.tolist():
         for row in range(n):

@@ -3,20 +3,22 @@
 One optimizer step consumes ``train.global_batch_bytes`` bytes = ``rows`` sequences of
 ``data.seq_len`` bytes, processed as ``accum`` micro-batches of ``train.micro_batch_size`` rows
 (split over the ('data', 'fsdp') mesh axes). Every ``train.checkpoint_every`` steps, at the end
-and on SIGTERM the state and the data iterator position are checkpointed; a work directory
-that holds a checkpoint is resumed from its latest one, exactly (same params and batches as an
-uninterrupted run); a corrupt latest checkpoint is skipped for the previous one (see
-train/checkpoint.py), and in a multi-process run SIGTERM on any process stops all of them at
-the same step. Metrics are fetched one step late so the host never waits on the step it
+and on SIGTERM or SIGINT (Ctrl-C) the state and the data iterator position are checkpointed;
+a work directory that holds a checkpoint is resumed from its latest one, exactly (same params
+and batches as an uninterrupted run); a corrupt latest checkpoint is skipped for the previous
+one (see train/checkpoint.py), and in a multi-process run SIGTERM on any process stops all of
+them at the same step. Metrics are fetched one step late so the host never waits on the step it
 just dispatched; a non-finite loss stops the run (``NonFiniteLossError``) and no checkpoint of
 that step or later is written. Batch layout and data pipelines come from train/inputs.py,
-the stop flag (SIGTERM, ``request_stop``) from train/stop.py.
+the stop flag (SIGTERM, SIGINT, ``request_stop``) from train/stop.py; one run per work
+directory (a lock, train/workdir_lock.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
+import signal
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -34,6 +36,7 @@ from lca_jax.train import sharding as shd
 from lca_jax.train import state as st
 from lca_jax.train import step as step_lib
 from lca_jax.train import stop as stop_lib
+from lca_jax.train import workdir_lock
 from lca_jax.train.errors import NonFiniteLossError, TrainError
 from lca_jax.train.manifest import CorruptCheckpointError
 from lca_jax.train.stop import request_stop  # noqa: F401  (public API: loop.request_stop)
@@ -179,6 +182,8 @@ class TrainResult:
   last_train: dict
   last_eval: dict
   workdir: str
+  skipped: dict = dataclasses.field(default_factory=dict)  # bad records skipped, by reason
+  interrupted: bool = False  # stopped by Ctrl-C (SIGINT)
 
 
 # ---- evaluation ----------------------------------------------------------------------------
@@ -212,26 +217,26 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
   cfg_dict = config.to_dict()
   model_cfg = model_config_of(config)
   workdir = prepare_workdir(workdir)
-  inputs.check_data_files(config)
-  setup = prepare(config, devices)
-  plan, mesh = setup.plan, setup.mesh
-  total = int(config.train.steps)
-  log_every = max(1, int(config.train.log_every))
-  eval_every = int(config.train.eval_every)
-  ckpt_every = int(config.train.checkpoint_every)
-
-  ckpt = ckpt_lib.Checkpointer(
-      workdir, keep=int(config.train.keep_checkpoints),
-      async_save=bool(inputs.cfg_get(config.train, "async_checkpointing", True)))
-  writer = None
-  progress = None
+  # before anything in the workdir is read or written (the Checkpointer removes tmp dirs)
+  lock = workdir_lock.acquire(workdir, jax.process_index())
+  ckpt = writer = progress = pipeline = dog = None
   stop = stop_lib.Stop()
-  pipeline = None
-  from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
-  dog = distributed.Watchdog(float(watchdog or 0))
   try:
-    # From here on SIGTERM (preemption, scancel, the launchers) stops at the end of the first
-    # step that completes and checkpoints it.
+    inputs.check_data_files(config)
+    setup = prepare(config, devices)
+    plan, mesh = setup.plan, setup.mesh
+    total = int(config.train.steps)
+    log_every = max(1, int(config.train.log_every))
+    eval_every = int(config.train.eval_every)
+    ckpt_every = int(config.train.checkpoint_every)
+
+    ckpt = ckpt_lib.Checkpointer(
+        workdir, keep=int(config.train.keep_checkpoints),
+        async_save=bool(inputs.cfg_get(config.train, "async_checkpointing", True)))
+    from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
+    dog = distributed.Watchdog(float(watchdog or 0))
+    # From here on SIGTERM (preemption, scancel, the launchers) and SIGINT (Ctrl-C) stop at
+    # the end of the first step that completes and checkpoint it.
     stop.install()
     stop_lib.ACTIVE.append(stop)
     latest = ckpt.latest_step()
@@ -298,6 +303,7 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
         bpl = avg.get("bytes_per_latent")
         avg["tflops_per_device"] = flops_fn(bpl) / step_time / n_dev / 1e12
         avg["mfu"] = (flops_fn(bpl) / step_time / (n_dev * peak)) if peak else None
+        avg["skipped_records"] = pipeline.stats.skipped_records
         writer.write_train(n, avg)
         last_train = dict(avg, step=n)
         post = {"loss": avg["loss"], "bpb": avg.get("bpb_ntp")}
@@ -362,17 +368,22 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
       if pending is not None:
         process(pending)
     final = int(jax.device_get(state.step))
-    return TrainResult(step=final, stopped=stop.flag and final < total, state=state,
-                       last_train=last_train, last_eval=last_eval, workdir=workdir)
+    stopped = stop.flag and final < total
+    return TrainResult(step=final, stopped=stopped, state=state, last_train=last_train,
+                       last_eval=last_eval, workdir=workdir, skipped=pipeline.stats.skipped,
+                       interrupted=stopped and stop.signum == signal.SIGINT)
   finally:
-    dog.close()
+    if dog is not None:
+      dog.close()
     stop.uninstall()
     if stop in stop_lib.ACTIVE:
       stop_lib.ACTIVE.remove(stop)
     if progress is not None:
       progress.close()
-    ckpt.close()
+    if ckpt is not None:
+      ckpt.close()
     if writer is not None:
       writer.close()
     if pipeline is not None:
       pipeline.close()
+    lock.release()

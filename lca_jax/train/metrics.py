@@ -3,9 +3,13 @@ behind MFU.
 
 Files written in the work directory (process 0 only):
   metrics.jsonl   one line per logged train step: step, loss, bpb_ntp, bpb_mbp, bp_loss,
-                  bytes_per_latent, overflow, lr, grad_norm, bytes_per_s, step_time, mfu
+                  bytes_per_latent, overflow, lr, grad_norm, bytes_per_s, step_time, mfu,
+                  skipped_records
                   (metrics averaged over the steps since the previous line; lr at ``step``;
-                  null where the model has no such quantity, or MFU with an unknown peak)
+                  null where the model has no such quantity, or MFU with an unknown peak;
+                  skipped_records: bad records (bad JSON, non-string or empty text, ...)
+                  process 0's data pipeline has skipped so far, an integer kept across
+                  resumes)
   eval.jsonl      one line per evaluation: step, bpb_ntp, bpb_mbp, bp_loss, bytes_per_latent,
                   overflow, bytes (number of scored next-byte targets)
   tb/             TensorBoard event files: train/<name> and eval/<name> for all of the above
@@ -57,7 +61,7 @@ PEAK_FLOPS = (
 )
 
 TRAIN_KEYS = ("loss", "bpb_ntp", "bpb_mbp", "bp_loss", "bytes_per_latent", "overflow", "lr",
-              "grad_norm", "bytes_per_s", "step_time", "mfu")
+              "grad_norm", "bytes_per_s", "step_time", "mfu", "skipped_records")
 
 
 def peak_flops_per_device(device=None, override_tflops: float = 0.0) -> Optional[float]:
@@ -112,6 +116,8 @@ def train_flops_per_step(cfg: ModelConfig, params, rows: int, seq_len: int,
 def _clean(v):
   if v is None:
     return None
+  if isinstance(v, int) and not isinstance(v, bool):  # counts stay integers
+    return v
   v = float(v)
   return v if math.isfinite(v) else None
 

@@ -1,0 +1,49 @@
+"""Smoke test of tools/bench_kernel.py (Pallas LCA attention vs XLA vs causal SDPA, one JSON
+object).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest -q tests/test_tool_bench_kernel.py
+
+``--small``: tiny shapes and Pallas interpret mode, so it runs on CPU (the times mean nothing);
+one block configuration, since each is two interpret-mode compiles.
+"""
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "bench_kernel.py")
+TIMES = {"fwd_ms", "fwd_bwd_ms", "fwd_tflops_unmasked", "fwd_bwd_tflops_unmasked",
+         "fwd_tflops_dense_equiv", "fwd_bwd_tflops_dense_equiv"}
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def _tool():
+  spec = importlib.util.spec_from_file_location("bench_kernel", TOOL)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_bench_kernel_small(capsys):
+  out = _tool().main(["--small", "--pallas-blocks", "32x32", "--dtype", "float32"])
+  assert json.loads(capsys.readouterr().out) == out
+  assert {"device", "backend", "jax", "interpret", "shape", "lca", "results"} <= set(out)
+  assert out["interpret"] and out["shape"] == {"B": 2, "T": 96, "H": 4, "KV": 2, "D": 32,
+                                               "dtype": "float32"}
+  assert 0 < out["lca"]["density_vs_dense"] < 1
+  # the tool records a failing implementation as {"error": ...} and goes on: none may fail here
+  assert set(out["results"]) == {"pallas_32x32", "xla_dense", "sdpa_causal"}
+  for name, r in out["results"].items():
+    assert set(r) == TIMES, (name, r)
+    assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0, name
+  assert out["best_pallas"] == "pallas_32x32"
+  assert set(out["speedup_pallas_vs_xla_dense"]) == {"fwd", "fwd_bwd"}
+  assert out["max_abs_diff_pallas_vs_xla"] < 1e-4  # float32: the kernel agrees with XLA
+
+
+def test_unknown_impl():
+  with pytest.raises(ValueError, match="unknown impl"):
+    _tool().main(["--small", "--impls", "cudnn"])
