@@ -1,7 +1,7 @@
 """Decode throughput on one checkpoint, all numbers from one run on this machine (JSON).
 
     python tools/bench_decode.py --checkpoint workdirs/demo [--prompt-bytes 256] [--new-bytes 512]
-        [--batch 1,8] [--tau 0.9] [--n 3] [--naive-bytes 64]
+        [--batch 1,8] [--tau 0.9] [--n 3] [--naive-bytes 64] [--modes ntp,threshold]
 
 Measures bytes/s after warm-up (compilation excluded and reported separately) for the cached
 engine in ntp, threshold and verify modes at each batch size (plus threshold with tau 0, which
@@ -52,7 +52,10 @@ def naive_bytes_per_s(model, prompt, n_new, total_len):
   return n_new / (time.perf_counter() - t0)
 
 
-def main(argv=None):
+MODES = ("ntp", "threshold", "verify", "threshold_tau0")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
   ap = argparse.ArgumentParser()
   ap.add_argument("--checkpoint", required=True)
   ap.add_argument("--prompt-bytes", type=int, default=256)
@@ -62,11 +65,22 @@ def main(argv=None):
   ap.add_argument("--n", type=int, default=3)
   ap.add_argument("--naive-bytes", type=int, default=64, help="bytes timed for the naive loop")
   ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--modes", default=",".join(MODES),
+                  help="comma-separated subset of %(default)s (those without a multi-byte head "
+                       "are skipped for a model that has none)")
   a = ap.parse_args(argv)
+  a.modes = [m for m in a.modes.split(",") if m]
+  if not a.modes or set(a.modes) - set(MODES):
+    ap.error(f"--modes: choose among {','.join(MODES)}, got {','.join(a.modes) or 'none'}")
+  return a
+
+
+def main(argv=None):
+  a = parse_args(argv)
   model = lca_jax.load(a.checkpoint)
   # threshold_tau0 accepts every candidate (n bytes per step whatever the model): the engine's
   # ceiling for this n, i.e. what threshold mode delivers once the MBP head is confident
-  modes = ["ntp"] + (["threshold", "verify", "threshold_tau0"] if model.cfg.has_mbp else [])
+  modes = [m for m in MODES if m in a.modes and (m == "ntp" or model.cfg.has_mbp)]
   out = {"checkpoint": a.checkpoint, "device": str(jax.devices()[0]), "prompt_bytes": a.prompt_bytes,
          "new_bytes": a.new_bytes, "tau": a.tau, "n": a.n, "results": {}}
   for bsz in [int(x) for x in a.batch.split(",")]:
@@ -84,17 +98,20 @@ def main(argv=None):
           latent_steps_per_byte=round(best.latent_steps_per_byte, 4),
           compile_s=round(runs[0].compile_s, 1))
   naive = naive_bytes_per_s(model, prompt_ids(a.prompt_bytes), a.naive_bytes,
-                            a.prompt_bytes + a.new_bytes)
+                            a.prompt_bytes + max(a.new_bytes, a.naive_bytes))
   out["results"]["naive_full_forward_b1"] = {"bytes_per_s": round(naive, 1),
                                              "timed_bytes": a.naive_bytes}
   res = out["results"]
-  ratios = {"ntp_b1_vs_naive": res["ntp_b1"]["bytes_per_s"] / naive}
+  ratios = {}
+  if "ntp_b1" in res:  # absent when --batch has no 1 or --modes no ntp
+    ratios["ntp_b1_vs_naive"] = res["ntp_b1"]["bytes_per_s"] / naive
   for key in res:
-    if key.startswith(("threshold", "verify")):
-      ntp_key = "ntp_" + key.split("_")[-1]
+    ntp_key = "ntp_" + key.split("_")[-1]
+    if key.startswith(("threshold", "verify")) and ntp_key in res:
       ratios[f"{key}_vs_{ntp_key}"] = res[key]["bytes_per_s"] / res[ntp_key]["bytes_per_s"]
   out["ratios"] = {k: round(v, 2) for k, v in ratios.items()}
   print(json.dumps(out, indent=1))
+  return out
 
 
 if __name__ == "__main__":
