@@ -20,12 +20,16 @@ class LoadError(ValueError):
 
 
 class Model:
-  """An inference handle: a config, float32 params and jitted entry points."""
+  """An inference handle: a config, float32 params and jitted entry points.
 
-  def __init__(self, cfg: ModelConfig, params, source: str = ""):
+  ``extras``: upstream tensors the JAX model does not use but an export must give back as they
+  were (``rotary_embd.inv_freq`` of an imported checkpoint; see ``interop/upstream.py``)."""
+
+  def __init__(self, cfg: ModelConfig, params, source: str = "", extras: Optional[dict] = None):
     self.cfg = cfg
     self.params = nn.unbox(params)
     self.source = source
+    self.extras = dict(extras or {})
     self.module = ByteLM(cfg)
     self._forward = jax.jit(lambda p, ids: self.module.apply({"params": p}, ids, train=False))
     self._engine = None
@@ -36,17 +40,26 @@ class Model:
   def forward(self, ids) -> dict:
     """Full inference forward on int ids [T] or [B, T].
 
-    Returns numpy ``ntp_logits`` [.., T, V] (row t predicts byte t+1), ``mbp_logits`` (row t
-    predicts byte t+2; None without an LCA-MBP head), ``mlp_mbp_logits`` [.., k, T, V] or None
-    and ``boundaries`` [.., T] int32 (1 = byte t closes its group; None for a flat model).
+    ``ids`` are vocabulary ids (``lca_jax.vocab``: byte b is id b + 3) in [0, n_tokens), at
+    most ``cfg.max_seq_len`` per row. Returns numpy ``ntp_logits`` [.., T, V] (row t predicts
+    byte t+1), ``mbp_logits`` (row t predicts byte t+2; None without an LCA-MBP head),
+    ``mlp_mbp_logits`` [.., k, T, V] or None and ``boundaries`` [.., T] int32 (1 = byte t
+    closes its group; None for a flat model). Bad ids raise ``DecodeError`` (a ValueError).
     """
-    ids = np.asarray(ids)
+    from lca_jax.decode.engine import DecodeError  # pylint: disable=g-import-not-at-top
+    try:
+      ids = np.asarray(ids)
+    except (TypeError, ValueError):
+      raise DecodeError("forward expects integer ids of shape [T] or [B, T] (ragged rows?)") from None
     if ids.ndim not in (1, 2) or not np.issubdtype(ids.dtype, np.integer):
-      raise ValueError(f"forward expects integer ids of shape [T] or [B, T], got {ids.dtype} {ids.shape}")
+      raise DecodeError(f"forward expects integer ids of shape [T] or [B, T], got {ids.dtype} {ids.shape}")
     if ids.size == 0:
-      raise ValueError("forward needs at least one byte")
-    if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
-      raise ValueError(f"ids must lie in [0, {self.cfg.vocab_size}), got [{ids.min()}, {ids.max()}]")
+      raise DecodeError("forward needs at least one byte")
+    if ids.min() < 0 or ids.max() >= self.cfg.n_tokens:
+      raise DecodeError(f"ids must lie in [0, {self.cfg.n_tokens}), got [{ids.min()}, {ids.max()}]")
+    if ids.shape[-1] > self.cfg.max_seq_len:
+      raise DecodeError(f"forward got {ids.shape[-1]} ids per row, more than the model context "
+                        f"(max_seq_len {self.cfg.max_seq_len})")
     single = ids.ndim == 1
     out = self._forward(self.params, jnp.asarray(ids[None] if single else ids, jnp.int32))
     res = {}
@@ -74,7 +87,8 @@ def load_upstream(path: str) -> Model:
   uc, sd = upstream.read_dir(path)
   cfg = upstream.config_from_upstream(uc)
   params = upstream.state_dict_to_params(sd, cfg, shapes=_param_shapes(cfg))
-  return Model(cfg, jax.tree_util.tree_map(jnp.asarray, params), source=path)
+  return Model(cfg, jax.tree_util.tree_map(jnp.asarray, params), source=path,
+               extras=upstream.extras_of(sd, cfg))
 
 
 def _param_shapes(cfg: ModelConfig):
@@ -102,6 +116,10 @@ def load(path: str, step: Optional[int] = None) -> Model:
     checkpoint = None
   if checkpoint is not None and checkpoint.is_workdir(path):
     cfg, params = checkpoint.load_for_inference(path, step=step)
-    return Model(cfg, params, source=path)
+    try:
+      extras = upstream.read_extras(path, cfg)
+    except CheckpointError as e:
+      raise LoadError(str(e)) from e
+    return Model(cfg, params, source=path, extras=extras)
   raise LoadError(f"{path}: neither an upstream checkpoint (config.json + model.safetensors) "
                   "nor an lca-train work directory with checkpoints")

@@ -9,7 +9,8 @@ import ml_collections
 
 
 class ConfigFileError(ValueError):
-  pass
+  """A config file that cannot be loaded (missing, a syntax error, an exception while it runs,
+  no get_config()) or an override that cannot be applied."""
 
 
 def load_config(path: str) -> ml_collections.ConfigDict:
@@ -22,11 +23,31 @@ def load_config(path: str) -> ml_collections.ConfigDict:
     sys.path.insert(0, root)
   name = "_lca_config_" + os.path.splitext(os.path.basename(path))[0]
   spec = importlib.util.spec_from_file_location(name, path)
+  if spec is None or spec.loader is None:
+    raise ConfigFileError(f"{path}: not a Python config file (expected NAME.py with get_config())")
   mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  if not hasattr(mod, "get_config"):
+  try:
+    spec.loader.exec_module(mod)
+  except SyntaxError as e:  # IndentationError included
+    where = f"{path}:{e.lineno}" if e.lineno else path
+    raise ConfigFileError(f"{where}: syntax error in config file: {e.msg}") from None
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigFileError(f"{path}: the config file failed while loading: "
+                          f"{type(e).__name__}: {_one_line(e)}") from None
+  if not callable(getattr(mod, "get_config", None)):
     raise ConfigFileError(f"{path}: no get_config() function")
-  return mod.get_config()
+  try:
+    config = mod.get_config()
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigFileError(f"{path}: get_config() failed: {type(e).__name__}: {_one_line(e)}") from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigFileError(f"{path}: get_config() returned {type(config).__name__}, "
+                          "not an ml_collections.ConfigDict")
+  return config
+
+
+def _one_line(e: BaseException) -> str:
+  return " ".join(str(e).split()) or repr(e)
 
 
 def split_overrides(rest):
@@ -76,6 +97,11 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides) -> ml_collecti
       val = raw.lower() == "true"
     if isinstance(old, float) and isinstance(val, int) and not isinstance(val, bool):
       val = float(val)
+    if isinstance(old, float) and isinstance(val, str):
+      try:  # nan, inf: not Python literals, but floats (validate_run_config rejects them)
+        val = float(raw)
+      except ValueError:
+        pass
     if isinstance(old, str) and not isinstance(val, str):
       val = raw
     try:

@@ -162,12 +162,12 @@ def test_model_blockwise_equals_dense(variant):
     assert_rel_close(gf[path], g, rel=1e-4, what=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("impl", ["xla", "dense"])
-def test_no_t_by_t_buffer_in_train_step(impl):
-  """The compiled loss + gradient of LCA-MBP holds no [T, T] array with the blockwise path;
-  the dense path does (so the check can fail)."""
+@pytest.mark.parametrize("variant,impl", [(v, "xla") for v in VARIANTS] + [("lca_mbp", "dense")])
+def test_no_t_by_t_buffer_in_train_step(variant, impl):
+  """The compiled loss + gradient of every variant holds no [T, T] array with the blockwise
+  path; the dense path does (so the check can fail)."""
   t = 400  # more than the vocabulary (384) and the latent capacity, so only T x T matches
-  cfg = tiny_config("lca_mbp", attention_impl=impl, attn_block_q=32, attn_block_k=32,
+  cfg = tiny_config(variant, attention_impl=impl, attn_block_q=32, attn_block_k=32,
                     lca_block_q=16, lca_lookback=16)
   model = ByteLM(cfg)
   batch = _model_batch(t)

@@ -25,8 +25,12 @@ def run_main(fn: Callable[[], int]) -> int:
   from lca_jax.model.config import ConfigError  # pylint: disable=g-import-not-at-top
   try:
     return fn()
-  except (CliError, LoadError, DecodeError, ConfigError, FileNotFoundError) as e:
+  except (CliError, LoadError, DecodeError, ConfigError) as e:
     print(f"{prog()}: error: {e}", file=sys.stderr, flush=True)
+    return 2
+  except OSError as e:  # a path that cannot be read or written: one line, not a traceback
+    msg = f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
+    print(f"{prog()}: error: {msg}", file=sys.stderr, flush=True)
     return 2
   except KeyboardInterrupt:
     print(f"{prog()}: interrupted", file=sys.stderr, flush=True)

@@ -62,9 +62,11 @@ def main(argv=None) -> int:
       raise ValueError(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "from-torch" and args.config:
       from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
+      from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
       config = configs_io.load_config(args.config)
       configs_io.apply_overrides(config, configs_io.split_overrides(rest))
-  except ValueError as e:  # ConfigFileError, ConfigError are ValueErrors
+      run_config.validate_run_config(config)
+  except ValueError as e:  # ConfigFileError, ConfigError, RunConfigError are ValueErrors
     return _fail(str(e))
 
   from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top

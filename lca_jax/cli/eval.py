@@ -7,13 +7,19 @@
     lca-eval sweep --checkpoints DIR [DIR ...] --task T --data FILE --out DIR
                    [--taus 0.7,0.8,0.9] [--ns 3,4,5,6,7,8] [--modes ntp,threshold,verify,drafter]
 
-Problems with paths, data or arguments are reported in one line (exit status 2).
+Problems with paths, data or arguments are reported in one line (exit status 2): a
+--batch-size, --seq-len, --max-bytes, --limit or --max-batches below 1, an unknown --format,
+a data file without a usable document, a sweep --out that is an existing file, a tasks --out
+that is a directory. --json prints strict JSON (a value that is not a number, such as
+acceptance_rate in ntp mode, is null); bpb reports the bad records its pipeline skipped
+(skipped_records, and skipped by reason).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from lca_jax.cli.common import CliError, fail
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -100,10 +106,39 @@ def _load(path, step=None):
   return lca_jax.load(path, step=step) if step is not None else lca_jax.load(path)
 
 
+def _at_least(name: str, value, low: int = 1):
+  if value is not None and value < low:
+    fail(f"{name} must be >= {low}, got {value}")
+
+
+def _data_format(fmt):
+  from lca_jax.data.readers import FORMATS  # pylint: disable=g-import-not-at-top
+  if fmt is None:
+    return None
+  fmt = {"arrayrecord": "array_record"}.get(fmt, fmt)
+  if fmt not in FORMATS:
+    fail(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
+  return fmt
+
+
 def _cmd_bpb(a) -> int:
+  from lca_jax import jsonio  # pylint: disable=g-import-not-at-top
+  from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
   from lca_jax.eval.bpb import evaluate_bpb  # pylint: disable=g-import-not-at-top
+  _at_least("--batch-size", a.batch_size)
+  _at_least("--seq-len", a.seq_len)
+  _at_least("--max-batches", a.max_batches)
+  _at_least("--step", a.step, 0)
+  fmt = _data_format(a.format)
+  if a.sft_format:
+    from lca_jax.data.sft_format import SFT_FORMATS  # pylint: disable=g-import-not-at-top
+    if a.sft_format not in SFT_FORMATS:
+      fail(f"unknown --sft-format {a.sft_format!r}; choose one of {', '.join(SFT_FORMATS)}")
   model = _load(a.checkpoint, a.step)
-  seq_len = a.seq_len or model.cfg.max_seq_len
+  seq_len = model.cfg.max_seq_len if a.seq_len is None else a.seq_len
+  if seq_len > model.cfg.max_seq_len:
+    fail(f"--seq-len {seq_len} is longer than the model context (max_seq_len "
+         f"{model.cfg.max_seq_len})")
   if a.sft_format:
     from lca_jax.data.sft import make_sft_eval_pipeline  # pylint: disable=g-import-not-at-top
     packing = "segmented" if a.packing == "segmented" else "single"
@@ -111,12 +146,14 @@ def _cmd_bpb(a) -> int:
                                      packing=packing)
   else:
     from lca_jax.data.pipeline import make_eval_pipeline  # pylint: disable=g-import-not-at-top
-    batches = make_eval_pipeline(a.data, a.format, seq_len, a.batch_size, a.packing, max_batches=a.max_batches,
+    batches = make_eval_pipeline(a.data, fmt, seq_len, a.batch_size, a.packing, max_batches=a.max_batches,
                                  text_key=a.text_key, shard_index=0, shard_count=1, on_bad_shard="error")
   res = evaluate_bpb(model, batches, max_batches=a.max_batches, progress=not a.no_progress)
+  if not res["batches"]:
+    raise DataError(f"no batch to score in {' '.join(a.data)} (no usable document)")
   res.update(checkpoint=a.checkpoint, seq_len=seq_len, batch_size=a.batch_size)
   if a.json:
-    print(json.dumps(res))
+    print(jsonio.dumps(res))
     return 0
   print(f"checkpoint {a.checkpoint}: {res['batches']} batches of {a.batch_size} x {seq_len}")
   heads = sorted((k for k in res if k.startswith("bpb_")), key=lambda k: (k != "bpb_ntp", k))
@@ -127,16 +164,42 @@ def _cmd_bpb(a) -> int:
             "group_len_p90", "group_len_p99", "group_len_max", "overflow"):
     if k in res:
       print(f"  {k:22s} {res[k]:.4f}" if isinstance(res[k], float) else f"  {k:22s} {res[k]}")
+  if res.get("skipped_records"):
+    by = ", ".join(f"{k} {v}" for k, v in res["skipped"].items())
+    print(f"  {'skipped_records':22s} {res['skipped_records']} ({by})")
   return 0
 
 
+def _check_gen_args(a, modes=None, taus=None, ns=None):
+  """The generation arguments of tasks / sweep, checked before any checkpoint is loaded."""
+  from lca_jax.decode import engine  # pylint: disable=g-import-not-at-top
+  _at_least("--batch-size", a.batch_size)
+  _at_least("--limit", a.limit)
+  _at_least("--max-bytes", a.max_bytes)
+  temperature = getattr(a, "temperature", None)
+  top_p = getattr(a, "top_p", None)
+  for mode in modes or [a.mode]:
+    if modes is not None and mode not in engine.MODES:
+      continue  # the sweep grid reports it with the list of its modes
+    for tau in taus or [getattr(a, "tau", 0.9)]:
+      for n in ns or [getattr(a, "n", 3)]:
+        engine.check_options(mode, tau=tau, n=n if modes is None else max(n, 2),
+                             max_bytes=a.max_bytes or 1,
+                             temperature=0.0 if temperature is None else temperature,
+                             top_p=1.0 if top_p is None else top_p, seed=a.seed)
+
+
 def _cmd_tasks(a) -> int:
+  from lca_jax import jsonio  # pylint: disable=g-import-not-at-top
   from lca_jax.eval import tasks  # pylint: disable=g-import-not-at-top
-  from lca_jax.eval.sweep import write_json  # pylint: disable=g-import-not-at-top
+  from lca_jax.eval.sweep import check_out_file, write_json  # pylint: disable=g-import-not-at-top
   tasks.check_task(a.task)
+  _check_gen_args(a)
+  if a.out:
+    check_out_file(a.out)
   model = _load(a.checkpoint)
   drafter = _load(a.drafter) if a.drafter else None
-  max_bytes = a.max_bytes or tasks.DEFAULT_MAX_BYTES[a.task]
+  max_bytes = tasks.DEFAULT_MAX_BYTES[a.task] if a.max_bytes is None else a.max_bytes
   ctx = min(model.cfg.max_seq_len, drafter.cfg.max_seq_len if drafter else model.cfg.max_seq_len)
   examples = tasks.load_examples(a.task, a.data, limit=a.limit, max_prompt_bytes=max(16, ctx - max_bytes))
   r = tasks.run_task(model, a.task, examples, mode=a.mode, tau=a.tau, n=a.n, max_bytes=max_bytes,
@@ -146,15 +209,20 @@ def _cmd_tasks(a) -> int:
   if a.out:
     write_json(r, a.out)
   if a.json:
-    from lca_jax.eval.sweep import _jsonable  # pylint: disable=g-import-not-at-top
-    print(json.dumps(_jsonable({k: v for k, v in r.items() if k != "outputs"})))
+    print(jsonio.dumps({k: v for k, v in r.items() if k != "outputs"}))
   else:
     print(tasks.summary_line(r))
   return 0
 
 
 def _cmd_sweep(a) -> int:
-  from lca_jax.eval.sweep import run_sweep  # pylint: disable=g-import-not-at-top
+  from lca_jax.eval import tasks  # pylint: disable=g-import-not-at-top
+  from lca_jax.eval.sweep import check_out_dir, run_sweep  # pylint: disable=g-import-not-at-top
+  tasks.check_task(a.task)
+  check_out_dir(a.out)
+  if not a.taus or not a.ns or not a.modes:
+    fail("--taus, --ns and --modes each need at least one value")
+  _check_gen_args(a, modes=a.modes, taus=a.taus, ns=a.ns)
   res = run_sweep(a.checkpoints, a.task, a.data, a.out, modes=a.modes, taus=a.taus, ns=a.ns, drafter=a.drafter,
                   limit=a.limit, max_bytes=a.max_bytes, batch_size=a.batch_size, metric=a.metric, seed=a.seed,
                   progress=not a.no_progress)
@@ -173,10 +241,13 @@ def main(argv=None) -> int:
   from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
   from lca_jax.decode.engine import DecodeError  # pylint: disable=g-import-not-at-top
   from lca_jax.eval.tasks import TaskError  # pylint: disable=g-import-not-at-top
+  from lca_jax.model.config import ConfigError  # pylint: disable=g-import-not-at-top
   try:
     return {"bpb": _cmd_bpb, "tasks": _cmd_tasks, "sweep": _cmd_sweep}[a.command](a)
-  except (LoadError, DataError, DecodeError, TaskError, FileNotFoundError) as e:
+  except (CliError, LoadError, DataError, DecodeError, TaskError, ConfigError) as e:
     return _fail(str(e))
+  except OSError as e:  # a path that cannot be read or written (not a bug: one line)
+    return _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
   except KeyboardInterrupt:
     return _fail("interrupted", 130)
 

@@ -6,13 +6,15 @@ A work directory that already holds a checkpoint is resumed from its latest one.
 checkpoints and exits 0, Ctrl-C (SIGINT) checkpoints and exits 130 (a second Ctrl-C quits at
 once without the checkpoint); rerun the same command to continue. A work directory in use by
 another live run is refused (its pid and host named). Problems with the config, the data, the
-work directory or the batch layout are reported in one line (exit status 2); a non-finite loss
-exits with status 1. Multi-host: jax.distributed.initialize() runs when
-``--distributed`` / ``--coordinator`` is given or the environment looks like a multi-process
-launch (SLURM with more than one task, JAX_COORDINATOR_ADDRESS or JAX_NUM_PROCESSES > 1 set);
-see lca_jax/train/distributed.py and launch/. A process of a multi-process run that dies makes
-the others exit (status 134, "Terminating process because the JAX distributed service detected
-fatal errors") within --heartbeat-timeout seconds; --watchdog ends a stuck one (status 3).
+work directory or the batch layout are reported in one line (exit status 2), among them a
+config file with a syntax error, an unknown data.format / data.packing, train.steps < 1 and an
+optim.lr that is not a positive number; a non-finite loss exits with status 1. Multi-host:
+jax.distributed.initialize() runs when ``--distributed`` / ``--coordinator`` is given or the
+environment looks like a multi-process launch (SLURM with more than one task,
+JAX_COORDINATOR_ADDRESS or JAX_NUM_PROCESSES > 1 set); see lca_jax/train/distributed.py and
+launch/. A process of a multi-process run that dies makes the others exit (status 134,
+"Terminating process because the JAX distributed service detected fatal errors") within
+--heartbeat-timeout seconds; --watchdog ends a stuck one (status 3).
 """
 from __future__ import annotations
 
@@ -72,10 +74,13 @@ def main(argv=None) -> int:
 
   from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
   from lca_jax.model.config import ConfigError  # pylint: disable=g-import-not-at-top
+  from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
   try:
     overrides = configs_io.split_overrides(rest)
     config = configs_io.load_config(args.config)
     configs_io.apply_overrides(config, overrides)
+    # before the work directory is created or locked: a bad value never touches it
+    run_config.validate_run_config(config, min_steps=1)
   except (ValueError, configs_io.ConfigFileError, ConfigError) as e:
     return _fail(str(e))
 

@@ -14,6 +14,8 @@ independently (ragged prompts, per-row acceptance, per-row stop at eos or the by
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import time
 from typing import Any, List, Optional, Sequence, Union
 
@@ -27,10 +29,88 @@ from lca_jax.decode.sampling import SamplingParams, choose, log_probs, speculati
 from lca_jax.model.config import ModelConfig
 
 MODES = ("ntp", "threshold", "verify", "drafter")
+MAX_N = 64  # most bytes proposed per step (``n``) in the multi-byte modes
+STOP_REASONS = ("eos", "max_bytes", "context", "steps")
 
 
 class DecodeError(ValueError):
-  """A generate() request that cannot be served (bad mode, prompt too long, ...)."""
+  """An inference request that cannot be served: a generate() or forward() call with a bad
+  argument (mode, n, tau, max_bytes, a prompt longer than the context, ...)."""
+
+
+def _kind(v) -> str:
+  """'i' for an integer, 'f' for a real number (Python, numpy or a 0-d array), else ''."""
+  if isinstance(v, (bool, np.bool_, str, bytes)):
+    return ""
+  if isinstance(v, numbers.Integral):
+    return "i"
+  if isinstance(v, numbers.Real):
+    return "f"
+  if getattr(v, "ndim", None) == 0 and getattr(v, "dtype", None) is not None:
+    k = np.dtype(v.dtype).kind
+    return "i" if k in "iu" else "f" if k == "f" else ""
+  return ""
+
+
+def _is_int(v) -> bool:
+  return _kind(v) == "i"
+
+
+def _int_arg(name: str, v) -> int:
+  if not _is_int(v):
+    raise DecodeError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
+  return int(v)
+
+
+def _real_arg(name: str, v) -> float:
+  if not _kind(v):
+    raise DecodeError(f"{name} must be a number, got {type(v).__name__} {v!r}")
+  v = float(v)
+  if not math.isfinite(v):
+    raise DecodeError(f"{name} must be a finite number, got {v}")
+  return v
+
+
+def check_options(mode: str = "ntp", tau: float = 0.9, n: int = 3, max_bytes: int = 256,
+                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                  pad_to: int = 32) -> dict:
+  """The decoding options of ``generate`` checked (types, ranges, NaN) without a model; returns
+  them normalized (Python ints / floats). Raises ``DecodeError`` naming the first bad one.
+
+  ``mode`` one of MODES; ``n`` in [2, MAX_N] in the multi-byte modes (ignored in ntp);
+  ``max_bytes`` >= 1; ``tau`` in [0, 1]; ``temperature`` >= 0 (0 = greedy); ``top_k`` >= 0
+  (0 = off); ``top_p`` in (0, 1]; ``seed`` and ``pad_to`` (>= 1) integers."""
+  if not isinstance(mode, str) or mode not in MODES:
+    raise DecodeError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+  n = _int_arg("n", n)
+  if mode != "ntp" and not 2 <= n <= MAX_N:
+    raise DecodeError(f"n must be >= 2 in {mode} mode (bytes proposed per step), got {n}"
+                      if n < 2 else f"n must be at most {MAX_N} (bytes proposed per step), got {n}")
+  max_bytes = _int_arg("max_bytes", max_bytes)
+  if max_bytes < 1:
+    raise DecodeError(f"max_bytes must be >= 1, got {max_bytes}")
+  tau = _real_arg("tau", tau)
+  if not 0.0 <= tau <= 1.0:
+    raise DecodeError(f"tau must be a probability in [0, 1], got {tau}")
+  temperature = _real_arg("temperature", temperature)
+  if temperature < 0:
+    raise DecodeError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+  top_k = _int_arg("top_k", top_k)
+  if top_k < 0:
+    raise DecodeError(f"top_k must be >= 0 (0 = off), got {top_k}")
+  top_p = _real_arg("top_p", top_p)
+  if not 0.0 < top_p <= 1.0:
+    raise DecodeError(f"top_p must be in (0, 1], got {top_p}")
+  seed = _int_arg("seed", seed)
+  pad_to = _int_arg("pad_to", pad_to)
+  if pad_to < 1:
+    raise DecodeError(f"pad_to must be >= 1, got {pad_to}")
+  return dict(mode=mode, tau=tau, n=n, max_bytes=max_bytes, temperature=temperature,
+              top_k=top_k, top_p=top_p, seed=seed, pad_to=pad_to)
+
+
+def _is_model(m) -> bool:
+  return isinstance(getattr(m, "cfg", None), ModelConfig) and hasattr(m, "params")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +310,10 @@ class GenerateResult:
   elapsed_s: float
   compile_s: float
   steps: int
+  # why each row stopped: "eos", "max_bytes" (the requested budget), "context" (the budget was
+  # cut so that the longest prompt + generation fits the model context), "steps" (never expected)
+  stop_reasons: List[str] = dataclasses.field(default_factory=list)
+  budget: int = 0  # bytes each row could generate: max_bytes, capped by the context
 
   def to_dict(self):
     d = dataclasses.asdict(self)
@@ -240,31 +324,48 @@ class GenerateResult:
 
 
 def _encode_prompts(prompts) -> List[np.ndarray]:
-  if isinstance(prompts, (str, bytes)) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
+  """Prompts -> int32 id arrays. A str is encoded as UTF-8, bytes as they are; anything else
+  is vocabulary ids (byte b is id b + 3, lca_jax.vocab). A flat list of ints is ONE prompt of
+  ids (``[123]`` is the byte 'x'), a list of str / bytes / id sequences is a batch."""
+  if isinstance(prompts, (str, bytes)) or (isinstance(prompts, np.ndarray) and prompts.ndim <= 1):
     prompts = [prompts]
+  elif isinstance(prompts, (list, tuple)) and prompts and all(_is_int(x) for x in prompts):
+    prompts = [np.asarray(prompts, np.int64)]
+  try:
+    prompts = list(prompts)
+  except TypeError:
+    raise DecodeError(f"prompts must be a str, bytes, an id array or a list of them, got "
+                      f"{type(prompts).__name__}") from None
   out = []
-  for p in prompts:
+  for i, p in enumerate(prompts):
     if isinstance(p, str):
       out.append(vocab.encode(p))
-    elif isinstance(p, bytes):
-      out.append(vocab.encode_bytes(p))
+    elif isinstance(p, (bytes, bytearray)):
+      out.append(vocab.encode_bytes(bytes(p)))
     else:
-      out.append(np.asarray(p, np.int32).reshape(-1))
+      try:
+        a = np.asarray(p)
+      except (TypeError, ValueError):
+        a = np.asarray(None)
+      if a.size and a.dtype.kind not in "iu":
+        raise DecodeError(f"prompt {i} must be a str, bytes or integer vocabulary ids, got "
+                          f"{type(p).__name__} of {a.dtype}")
+      a = a.reshape(-1).astype(np.int64)
+      if a.size and (a.min() < 0 or a.max() > np.iinfo(np.int32).max):
+        raise DecodeError(f"prompt {i} has ids outside [0, {vocab.NUM_BASE_TOKENS})")
+      out.append(a.astype(np.int32))
   return out
 
 
-def _validate(model, mode, n, drafter, prompts, max_bytes, temperature, top_p):
+def _validate(model, mode, n, drafter, prompts):
+  if not _is_model(model):
+    raise DecodeError(f"generate needs a model from lca_jax.load(...), got {type(model).__name__}")
   cfg = model.cfg
-  if mode not in MODES:
-    raise DecodeError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-  if mode != "ntp" and n < 2:
-    raise DecodeError(f"n must be >= 2 in {mode} mode (bytes proposed per step), got {n}")
-  if max_bytes < 1:
-    raise DecodeError(f"max_bytes must be >= 1, got {max_bytes}")
-  if temperature < 0 or not 0 < top_p <= 1:
-    raise DecodeError("temperature must be >= 0 and top_p in (0, 1]")
   if mode == "drafter" and drafter is None:
     raise DecodeError("drafter mode needs a drafter model (an LCA-MBP or MLP-MBP checkpoint)")
+  if mode == "drafter" and not _is_model(drafter):
+    raise DecodeError("drafter must be a model loaded with lca_jax.load(...) (an LCA-MBP or "
+                      f"MLP-MBP checkpoint), got {type(drafter).__name__} {drafter!r:.60}")
   drafting = drafter.cfg if mode == "drafter" else cfg
   if mode != "ntp" and not drafting.has_mbp:
     who = "the drafter" if mode == "drafter" else "this model"
@@ -273,8 +374,9 @@ def _validate(model, mode, n, drafter, prompts, max_bytes, temperature, top_p):
   if mode != "ntp" and drafting.n_mlp_mbp and n - 1 > drafting.n_mlp_mbp:
     raise DecodeError(f"an MLP-MBP model with {drafting.n_mlp_mbp} heads drafts at most "
                       f"{drafting.n_mlp_mbp + 1} bytes per step; got n={n}")
-  if mode == "drafter" and drafter.cfg.vocab_size != cfg.vocab_size and drafter.cfg.n_tokens != cfg.n_tokens:
-    raise DecodeError("drafter and verifier use different vocabularies")
+  if mode == "drafter" and drafter.cfg.n_tokens != cfg.n_tokens:
+    raise DecodeError(f"the drafter's vocabulary ({drafter.cfg.n_tokens} ids) differs from the "
+                      f"verifier's ({cfg.n_tokens} ids); both must use the same byte vocabulary")
   if not prompts:
     raise DecodeError("no prompt given")
   limit = min(cfg.max_seq_len, drafting.max_seq_len)
@@ -283,6 +385,9 @@ def _validate(model, mode, n, drafter, prompts, max_bytes, temperature, top_p):
       raise DecodeError(f"prompt {i} is empty; give at least one byte")
     if p.size > limit:
       raise DecodeError(f"prompt {i} is {p.size} bytes, longer than the model context ({limit} bytes)")
+    if p.size == limit:
+      raise DecodeError(f"prompt {i} is {p.size} bytes and fills the model context ({limit} "
+                        f"bytes): no room to generate; give at most {limit - 1} bytes")
     if p.min() < 0 or p.max() >= cfg.n_tokens:
       raise DecodeError(f"prompt {i} has ids outside [0, {cfg.n_tokens})")
 
@@ -293,13 +398,26 @@ def generate(model, prompts: Union[str, Sequence[Any]], mode: str = "ntp", tau: 
              pad_to: int = 32, on_bytes=None) -> GenerateResult:
   """Decode continuations of ``prompts`` (a str, bytes, id array, or a list of them).
 
-  ``temperature == 0`` is greedy. Generation stops per row at eos (unless ``ignore_eos``) or
-  after ``max_bytes`` bytes; it is also capped so prompt + generation fits ``max_seq_len``.
-  ``on_bytes(list of per-row id lists)`` is called after every step with the bytes it committed
-  (streaming; one host callback per step, so only use it when you want to watch).
+  A str is encoded as UTF-8 and bytes are taken as they are (any bytes, valid UTF-8 or not);
+  ids are vocabulary ids (``lca_jax.vocab``: byte b is id b + 3, so ``[123]`` is the one-byte
+  prompt "x"); a flat list of ints is one prompt. ``temperature == 0`` is greedy. Generation
+  stops per row at eos (unless ``ignore_eos``) or after ``max_bytes`` bytes; it is also capped
+  so that the longest prompt + generation fits ``max_seq_len`` (a prompt must leave at least
+  one byte). ``GenerateResult.stop_reasons`` says per row which of these ended it ("eos",
+  "max_bytes", "context") and ``budget`` what the cap left. ``n`` is at most ``MAX_N`` (64).
+  The options are checked by :func:`check_options`; every bad argument raises ``DecodeError``.
+  ``drafter`` is used only in drafter mode (a model from ``lca_jax.load`` with the same
+  vocabulary). ``on_bytes(list of per-row id lists)`` is called after every step with the bytes
+  it committed (streaming; one host callback per step, so only use it when you want to watch).
   """
+  opts = check_options(mode, tau, n, max_bytes, temperature, top_k, top_p, seed, pad_to)
+  mode, tau, n, requested = opts["mode"], opts["tau"], opts["n"], opts["max_bytes"]
+  temperature, top_k, top_p = opts["temperature"], opts["top_k"], opts["top_p"]
+  seed, pad_to = opts["seed"], opts["pad_to"]
+  if on_bytes is not None and not callable(on_bytes):
+    raise DecodeError(f"on_bytes must be callable, got {type(on_bytes).__name__}")
   enc = _encode_prompts(prompts)
-  _validate(model, mode, n, drafter, enc, max_bytes, temperature, top_p)
+  _validate(model, mode, n, drafter, enc)
   cfg = model.cfg
   dcfg = drafter.cfg if mode == "drafter" else None
   source = ""
@@ -307,8 +425,8 @@ def generate(model, prompts: Union[str, Sequence[Any]], mode: str = "ntp", tau: 
     source = "mlp" if (dcfg or cfg).n_mlp_mbp else "lca"
   longest = max(p.size for p in enc)
   limit = min(cfg.max_seq_len, (dcfg or cfg).max_seq_len)
-  max_bytes = max(1, min(max_bytes, limit - longest))
-  plan = Plan(mode, n if mode != "ntp" else 1, temperature == 0, ignore_eos, max_bytes, source,
+  max_bytes = max(1, min(requested, limit - longest))
+  plan = Plan(mode, n if mode != "ntp" else 1, temperature == 0, bool(ignore_eos), max_bytes, source,
               stream=on_bytes is not None)
   p_len = -(-longest // pad_to) * pad_to
   length = p_len + max_bytes + 2 * plan.width + 1  # room for a block + copies past the end
@@ -328,16 +446,26 @@ def generate(model, prompts: Union[str, Sequence[Any]], mode: str = "ntp", tau: 
     elapsed = time.perf_counter() - t0
   finally:
     _SINK[0] = None
-  return _collect(res, enc, plan, elapsed, compile_s)
+  return _collect(res, enc, plan, elapsed, compile_s, requested)
 
 
-def _collect(res, enc, plan: Plan, elapsed, compile_s) -> GenerateResult:
-  ids, texts, bds, pbds, per_step = [], [], [], [], []
+def _stop_reason(g: np.ndarray, plan: Plan, requested: int) -> str:
+  if not plan.ignore_eos and g.size and int(g[-1]) == vocab.EOS_ID:
+    return "eos"
+  if g.size >= plan.max_bytes:
+    return "max_bytes" if plan.max_bytes >= requested else "context"
+  return "steps"
+
+
+def _collect(res, enc, plan: Plan, elapsed, compile_s, requested=None) -> GenerateResult:
+  requested = plan.max_bytes if requested is None else requested
+  ids, texts, bds, pbds, per_step, reasons = [], [], [], [], [], []
   steps = int(res["steps"])
   hist = {}
   for i, p in enumerate(enc):
     g = res["ids"][i, p.size: res["length"][i]]
     ids.append(g)
+    reasons.append(_stop_reason(g, plan, requested))
     texts.append(vocab.decode(g))
     pbds.append(res["boundaries"][i, : p.size])
     bds.append(res["boundaries"][i, p.size: res["length"][i]])
@@ -353,4 +481,4 @@ def _collect(res, enc, plan: Plan, elapsed, compile_s) -> GenerateResult:
       acceptance_rate=float(np.sum(res["n_acc"]) / n_cand) if n_cand else float("nan"),
       latent_steps_per_byte=float(np.sum(res["latents"]) / max(total, 1)),
       bytes_per_s=total / elapsed if elapsed > 0 else float("inf"), elapsed_s=elapsed,
-      compile_s=compile_s, steps=steps)
+      compile_s=compile_s, steps=steps, stop_reasons=reasons, budget=plan.max_bytes)

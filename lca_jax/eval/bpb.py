@@ -134,7 +134,9 @@ def evaluate_bpb(model, batches: Iterable[dict], max_batches: Optional[int] = No
   ``bytes_per_latent``, ``boundary_rate`` (closed groups / real bytes), ``group_len_mean`` /
   ``_p10/_p50/_p90/_p99/_max`` over closed groups and ``overflow`` (groups past the latent
   capacity).  ``batches``: dicts with ``ids``, ``segment_ids``, ``positions`` [B, T] and
-  optionally ``loss_mask``."""
+  optionally ``loss_mask``; when it is a pipeline (``lca_jax.data``: it has ``stats``), also
+  ``skipped_records`` (bad records the pipeline skipped) and ``skipped`` (their count by
+  reason)."""
   fn = _sums_fn(model.cfg)
   acc = _Accumulator()
   t0 = time.perf_counter()
@@ -155,4 +157,8 @@ def evaluate_bpb(model, batches: Iterable[dict], max_batches: Optional[int] = No
     acc.add(res, {"segment_ids": np.asarray(b["segment_ids"])})
   out = acc.result()
   out["elapsed_s"] = time.perf_counter() - t0
+  stats = getattr(batches, "stats", None)
+  if stats is not None:
+    out["skipped_records"] = int(stats.skipped_records)
+    out["skipped"] = {k: int(v) for k, v in sorted(stats.skipped.items())}
   return out

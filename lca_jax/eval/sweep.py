@@ -9,13 +9,12 @@ In ``drafter`` mode the checkpoint verifies and ``--drafter`` drafts (paper Fig.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 import platform
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from lca_jax import jsonio
 from lca_jax.eval import plots, tasks
 
 MODES = ("ntp", "threshold", "verify", "drafter")
@@ -49,21 +48,39 @@ def _labels(paths: Sequence[str]) -> List[str]:
   return [b if base.count(b) == 1 else f"{b}#{i}" for i, b in enumerate(base)]
 
 
-def _jsonable(x):
-  if isinstance(x, float) and not math.isfinite(x):
-    return None
-  if isinstance(x, dict):
-    return {str(k): _jsonable(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
-  return x
+_jsonable = jsonio.jsonable  # NaN / inf -> null (strict JSON)
+
+
+def check_out_file(path: str) -> str:
+  """``path`` can be written as a results file: not a directory, in an existing directory."""
+  if os.path.isdir(path):
+    raise tasks.TaskError(f"--out {path} is a directory; give a file name for the JSON results")
+  parent = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(parent):
+    raise tasks.TaskError(f"--out {path}: directory {parent} does not exist")
+  return path
+
+
+def check_out_dir(path: str) -> str:
+  """``path`` can hold a sweep's outputs: a directory, or nothing yet (an existing file is
+  refused: it would be neither overwritten nor usable)."""
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise tasks.TaskError(f"--out {path} exists and is not a directory (the sweep writes "
+                          "sweep.json and plots into a directory)")
+  return path
 
 
 def write_json(obj, path: str) -> str:
+  """Write ``obj`` as strict JSON (NaN -> null) to ``path`` atomically."""
   tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(_jsonable(obj), f, indent=1, ensure_ascii=False)
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      jsonio.dump(obj, f, indent=1, ensure_ascii=False)
+    os.replace(tmp, path)
+  except OSError as e:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise tasks.TaskError(f"cannot write {path}: {e.strerror or e}") from None
   return path
 
 
@@ -76,6 +93,7 @@ def run_sweep(checkpoints: Sequence[str], task: str, data: str, out_dir: str,
   import lca_jax  # pylint: disable=g-import-not-at-top
   from lca_jax.decode.engine import DecodeError  # pylint: disable=g-import-not-at-top
   tasks.check_task(task)
+  check_out_dir(out_dir)
   combos = grid(modes, taus, ns)
   load = loader or lca_jax.load
   models = [load(p) for p in checkpoints]  # fail early on a bad path
@@ -83,7 +101,10 @@ def run_sweep(checkpoints: Sequence[str], task: str, data: str, out_dir: str,
   max_bytes = int(max_bytes or tasks.DEFAULT_MAX_BYTES[task])
   ctx = min(m.cfg.max_seq_len for m in models + ([drafter_model] if drafter_model else []))
   examples = tasks.load_examples(task, data, limit=limit, max_prompt_bytes=max(16, ctx - max_bytes))
-  os.makedirs(out_dir, exist_ok=True)
+  try:
+    os.makedirs(out_dir, exist_ok=True)
+  except OSError as e:
+    raise tasks.TaskError(f"cannot create --out {out_dir}: {e.strerror or e}") from None
   runs, skipped = [], []
   bar = None
   if progress:

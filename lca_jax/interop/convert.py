@@ -24,6 +24,12 @@ and its documented extras (MLP-MBP, SpaceByte) are in ``interop/upstream.py``.
 
 The embedding and head are padded to ``vocab_size`` rows (default: the vocabulary rounded up to
 a multiple of 128, 261 -> 384, as our configs use); padding rows are zero.
+
+Round trip: ``to_torch`` of a directory written by ``from_torch`` (or of an upstream directory)
+gives back every tensor of the source bit for bit when exported in the source's dtype, the
+RoPE buffer ``rotary_embd.inv_freq`` included: the import keeps the source's own buffer in
+``OUT/upstream_extras.safetensors`` (``interop/upstream.py``), which later checkpoints of
+that work directory keep using.
 """
 from __future__ import annotations
 
@@ -67,9 +73,9 @@ def _prepare_out(out: str, force: bool, src: Optional[str] = None, workdir: bool
         from lca_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
         from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
         shutil.rmtree(os.path.join(out, ckpt_lib.CKPT_DIR), ignore_errors=True)
-        cfg_file = os.path.join(out, run_config.CONFIG_FILE)
-        if os.path.exists(cfg_file):
-          os.remove(cfg_file)
+        for name in (run_config.CONFIG_FILE, upstream.EXTRAS_FILE):
+          if os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
   try:
     os.makedirs(out, exist_ok=True)
   except OSError as e:
@@ -92,13 +98,14 @@ def _check_kind(out: str, workdir: bool):
 
 # ---- JAX -> torch ---------------------------------------------------------------------------
 def export_params(params, cfg: ModelConfig, out: str, dtype: str = "float32", *,
-                  force: bool = False) -> str:
+                  force: bool = False, extras: Optional[dict] = None) -> str:
   """Write ``params`` (float32, may be sharded over devices/hosts) of ``cfg`` in the upstream
-  layout into ``out``. Returns the absolute output path."""
+  layout into ``out`` (``extras``: ``Model.extras``, tensors written back as they are). Returns
+  the absolute output path."""
   upstream.export_dtype(dtype)  # validate before touching the output
   out = _prepare_out(out, force)
   try:
-    upstream.write_dir(out, params, cfg, dtype)
+    upstream.write_dir(out, params, cfg, dtype, extras=extras)
   except CheckpointError as e:
     raise ConvertError(str(e)) from None
   return out
@@ -123,7 +130,8 @@ def to_torch(src, out: str, dtype: str = "float32", *, step: Optional[int] = Non
       model = api.load(src, step=step)
     except (api.LoadError, CheckpointError, ConfigError, FileNotFoundError) as e:
       raise ConvertError(str(e)) from None
-  return export_params(model.params, model.cfg, out, dtype, force=force)
+  return export_params(model.params, model.cfg, out, dtype, force=force,
+                       extras=getattr(model, "extras", None))
 
 
 def _check_out_free(out: str, force: bool, workdir: bool = False):
@@ -142,9 +150,10 @@ def padded_vocab(n_tokens: int, multiple: int = VOCAB_MULTIPLE) -> int:
   return -(-int(n_tokens) // multiple) * multiple
 
 
-def read_torch_dir(src: str, vocab_size: Optional[int] = None):
+def read_torch_dir(src: str, vocab_size: Optional[int] = None, with_extras: bool = False):
   """(ModelConfig, float32 numpy params, upstream config dict) of an upstream directory, with
-  the embedding/head padded to ``vocab_size`` rows (default ``padded_vocab(n_tokens)``)."""
+  the embedding/head padded to ``vocab_size`` rows (default ``padded_vocab(n_tokens)``);
+  ``with_extras``: also the tensors an export must give back (``upstream.extras_of``)."""
   uc, sd = upstream.read_dir(src)
   base = upstream.config_from_upstream(uc)
   vs = int(vocab_size) if vocab_size else padded_vocab(base.n_tokens)
@@ -153,6 +162,8 @@ def read_torch_dir(src: str, vocab_size: Optional[int] = None):
                        f"{base.n_tokens}")
   cfg = base.replace(vocab_size=vs)
   params = upstream.state_dict_to_params(sd, cfg, shapes=upstream.param_shapes(cfg), uc=uc)
+  if with_extras:
+    return cfg, params, uc, upstream.extras_of(sd, cfg)
   return cfg, params, uc
 
 
@@ -286,12 +297,18 @@ def from_torch(src: str, out: str, *, vocab_size: Optional[int] = None, config: 
   if config is not None and vocab_size is None:
     vocab_size = int(config.model.vocab_size)
   try:
-    cfg, params, _ = read_torch_dir(src, vocab_size)
+    cfg, params, _, extras = read_torch_dir(src, vocab_size, with_extras=True)
   except CheckpointError as e:
     raise ConvertError(str(e)) from None
   meta = {"imported_from": os.path.abspath(src)}
   out = _prepare_out(out, force, src, workdir=True)
   if config is None:
-    return write_workdir(out, params, cfg, meta=meta)
-  return write_resumable_workdir(out, params, cfg, config, meta=meta, devices=devices)
+    out = write_workdir(out, params, cfg, meta=meta)
+  else:
+    out = write_resumable_workdir(out, params, cfg, config, meta=meta, devices=devices)
+  try:
+    upstream.write_extras(out, extras)
+  except CheckpointError as e:
+    raise ConvertError(str(e)) from None
+  return out
 

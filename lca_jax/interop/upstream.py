@@ -16,6 +16,14 @@ documented here and in ``interop/torch_model.py`` (written only when the model n
 Our embedding/head may hold more rows than the vocabulary (``vocab_size`` > ``n_tokens``,
 padding for speed): export writes rows 0..n_tokens-1, import pads with zeros. The
 ``model.safetensors`` file itself is read and written by :mod:`lca_jax.interop.safetensors_io`.
+
+The RoPE buffer ``rotary_embd.inv_freq`` is not a parameter of ours (the JAX model computes its
+rotations from ``lm_re_base``), and recomputing it is not bit-exact across libraries (numpy and
+torch's float32 ``pow`` differ by 1 ulp for some head dims). So the source's own tensor is kept
+as an *extra*: ``lca_jax.load`` of an upstream directory holds it in ``Model.extras``, an
+import (``lca-convert from-torch``) stores it in ``WORKDIR/upstream_extras.safetensors``, and an
+export writes it back unchanged (same bits, same dtype); without one (a model trained from
+scratch, or ``train.init_from`` of an imported directory) it is computed in float32.
 """
 from __future__ import annotations
 
@@ -40,6 +48,7 @@ DEFAULT_SCRIPT = "<en>"
 BP_PREFIX = f"script_to_bp_layers.{DEFAULT_SCRIPT}.boundary_predictor"
 INV_FREQ = "rotary_embd.inv_freq"
 EXPORT_DTYPES = ("float32", "bfloat16")
+EXTRAS_FILE = "upstream_extras.safetensors"  # in a work directory: tensors kept for export
 
 
 # ---- config ---------------------------------------------------------------------------------
@@ -205,6 +214,35 @@ def inv_freq(cfg: ModelConfig) -> np.ndarray:
   return (1.0 / (cfg.rope_base ** (np.arange(0, d, 2, dtype=np.float32) / d))).astype(np.float32)
 
 
+def _inv_freq_matches(got: np.ndarray, cfg: ModelConfig) -> bool:
+  want = inv_freq(cfg)
+  got = np.asarray(got).astype(np.float32).reshape(-1)
+  return got.shape == want.shape and bool(np.allclose(got, want, rtol=1e-3, atol=0))
+
+
+def extras_of(sd: Dict[str, np.ndarray], cfg: ModelConfig) -> Dict[str, np.ndarray]:
+  """The tensors of an upstream state dict that an export must give back as they are
+  (``rotary_embd.inv_freq``, when it matches ``cfg``), copied out of ``sd``."""
+  out = {}
+  if INV_FREQ in sd and _inv_freq_matches(sd[INV_FREQ], cfg):
+    out[INV_FREQ] = np.array(sd[INV_FREQ], copy=True)
+  return out
+
+
+def write_extras(workdir: str, extras: Dict[str, np.ndarray]) -> None:
+  """Store ``extras`` in ``workdir/EXTRAS_FILE`` (nothing is written for none)."""
+  if extras:
+    write_safetensors(os.path.join(workdir, EXTRAS_FILE), dict(extras))
+
+
+def read_extras(workdir: str, cfg: ModelConfig) -> Dict[str, np.ndarray]:
+  """The extras a work directory holds ({} without ``EXTRAS_FILE``)."""
+  path = os.path.join(workdir, EXTRAS_FILE)
+  if not os.path.isfile(path):
+    return {}
+  return extras_of(read_safetensors(path), cfg)
+
+
 def param_shapes(cfg: ModelConfig):
   """Our param tree of shape tuples for ``cfg`` (nothing allocated; a fresh copy per call)."""
   return copy.deepcopy(_param_shapes(cfg))
@@ -280,13 +318,10 @@ def state_dict_to_params(sd: Dict[str, np.ndarray], cfg: ModelConfig, shapes=Non
       raise CheckpointError(f"model.safetensors holds {len(extra)} tensor(s) the config does not "
                             f"use: {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''} "
                             "(config.json and weights disagree about the variant)")
-    if INV_FREQ in sd:
-      got = np.asarray(sd[INV_FREQ]).astype(np.float32).reshape(-1)
-      want_f = inv_freq(cfg)
-      if got.shape != want_f.shape or not np.allclose(got, want_f, rtol=1e-3, atol=0):
-        raise CheckpointError(f"tensor {INV_FREQ}: shape {got.shape} / values do not match "
-                              f"lm_re_base {cfg.rope_base} and head dim {cfg.head_dim} "
-                              f"(expected shape {want_f.shape})")
+    if INV_FREQ in sd and not _inv_freq_matches(sd[INV_FREQ], cfg):
+      raise CheckpointError(f"tensor {INV_FREQ}: shape {tuple(np.shape(sd[INV_FREQ]))} / values "
+                            f"do not match lm_re_base {cfg.rope_base} and head dim "
+                            f"{cfg.head_dim} (expected shape {inv_freq(cfg).shape})")
   return params
 
 
@@ -299,10 +334,12 @@ def to_host(x) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
-def params_to_state_dict(params, cfg: ModelConfig, dtype="float32") -> Dict[str, np.ndarray]:
+def params_to_state_dict(params, cfg: ModelConfig, dtype="float32",
+                         extras: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, np.ndarray]:
   """Upstream state dict (rows 0..n_tokens-1 of the embedding and head) from our params, which
   may be sharded jax arrays. ``dtype``: 'float32' or 'bfloat16' (ml_dtypes; rotary buffer stays
-  float32, as upstream registers it)."""
+  float32, as upstream registers it). ``extras`` (``Model.extras``): the source's own
+  ``rotary_embd.inv_freq``, written unchanged instead of the computed one."""
   np_dtype = export_dtype(dtype)
   shapes = None
   sd = {}
@@ -325,7 +362,8 @@ def params_to_state_dict(params, cfg: ModelConfig, dtype="float32") -> Dict[str,
     if key == "null_group":
       arr = arr.reshape(1, 1, -1)
     sd[key] = np.ascontiguousarray(arr.astype(np_dtype))
-  sd[INV_FREQ] = inv_freq(cfg)
+  kept = extras_of(extras or {}, cfg)
+  sd[INV_FREQ] = np.ascontiguousarray(kept[INV_FREQ]) if INV_FREQ in kept else inv_freq(cfg)
   return sd
 
 
@@ -365,9 +403,11 @@ def load_dir(path: str, vocab_size: Optional[int] = None):
   return cfg, state_dict_to_params(sd, cfg, shapes=param_shapes(cfg), uc=uc)
 
 
-def write_dir(path: str, params, cfg: ModelConfig, dtype="float32"):
-  """Write ``config.json`` + ``model.safetensors`` for ``params`` of ``cfg`` into ``path``."""
-  sd = params_to_state_dict(params, cfg, dtype)
+def write_dir(path: str, params, cfg: ModelConfig, dtype="float32",
+              extras: Optional[Dict[str, np.ndarray]] = None):
+  """Write ``config.json`` + ``model.safetensors`` for ``params`` of ``cfg`` into ``path``
+  (``extras``: see ``params_to_state_dict``)."""
+  sd = params_to_state_dict(params, cfg, dtype, extras)
   os.makedirs(path, exist_ok=True)
   write_safetensors(os.path.join(path, "model.safetensors"), sd)
   tmp = os.path.join(path, "config.json.tmp")

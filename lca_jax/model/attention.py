@@ -195,16 +195,40 @@ def _attention_bwd(block_q, block_k, scale, res, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def blockwise_attention(q_BTHE, k_BTKE, v_BTKE, lo_BT, *, block_q: int = 128,
-                        block_k: int = 128, scale: float | None = None):
+def _split_axis(b: int, kv: int, parallel: int):
+  """(axis, parts) to cut the call into ``parts`` independent calls: kv heads (axis 2) when
+  they divide, else batch rows (axis 0), else no cut (axis None)."""
+  for parts in range(min(parallel, max(b, kv)), 1, -1):
+    if kv % parts == 0:
+      return 2, parts
+    if b % parts == 0:
+      return 0, parts
+  return None, 1
+
+
+def blockwise_attention(q_BTHE, k_BTKE, v_BTKE, lo_BT, *, block_q: int = 64,
+                        block_k: int = 64, scale: float | None = None, parallel: int = 1):
   """Self-attention where query i sees keys [lo_i, i]; rows with no key give zeros.
 
   q [B,T,H,E], k/v [B,T,K,E], lo int [B,T]. Scores and softmax in float32; the
   probabilities are cast to the value dtype for the value product (as flash kernels do).
   Block sizes are clamped to the sequence (no work on a block larger than T).
+
+  ``parallel`` > 1 cuts the call into that many independent loop nests over groups of kv heads
+  (or batch rows): a tile's operations depend on each other, so one loop nest keeps one core
+  of XLA:CPU busy, while independent nests run side by side (the model passes the host's core
+  count on CPU, 1 on accelerators). The result is the same: heads and rows never interact.
   """
-  t = q_BTHE.shape[1]
+  b, t, h, _ = q_BTHE.shape
+  kv = k_BTKE.shape[2]
   block_q = max(1, min(block_q, t))
   block_k = max(1, min(block_k, t))
   scale = 1.0 / math.sqrt(q_BTHE.shape[-1]) if scale is None else float(scale)
-  return _attention(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k, scale)
+  axis, parts = _split_axis(b, kv, parallel)
+  if axis is None:
+    return _attention(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k, scale)
+  cut = lambda x: jnp.split(x, parts, axis=axis)
+  los = cut(lo_BT) if axis == 0 else [lo_BT] * parts
+  outs = [_attention(q, k, v, lo, block_q, block_k, scale)
+          for q, k, v, lo in zip(cut(q_BTHE), cut(k_BTKE), cut(v_BTKE), los)]
+  return jnp.concatenate(outs, axis=axis)

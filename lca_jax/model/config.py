@@ -57,6 +57,7 @@ class ModelConfig:
   attn_block_k: int = 64  # blockwise key tile (causal stacks)
   lca_block_q: int = 64  # LCA head query block; its key tile is lca_block_q + lca_lookback
   lca_lookback: int = 32  # keys before a block that one LCA tile covers (more -> more tiles)
+  attn_parallel: int = 0  # independent blockwise loop nests per call; 0 = host cores on CPU, else 1
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: bool = False
 
@@ -76,6 +77,7 @@ class ModelConfig:
     for name in ("attn_block_q", "attn_block_k", "lca_block_q"):
       check(getattr(self, name) >= 1, f"{name} must be >= 1")
     check(self.lca_lookback >= 0, "lca_lookback must be >= 0")
+    check(self.attn_parallel >= 0, "attn_parallel must be >= 0 (0 = auto)")
     if self.kind == "hierarchical":
       check(self.n_lm >= 1 and self.n_dec >= 1, "a hierarchical model needs n_lm >= 1 and n_dec >= 1")
       check(not (self.n_mbp and self.n_mlp_mbp), "choose either an LCA-MBP head (n_mbp) or MLP heads (n_mlp_mbp)")

@@ -9,6 +9,7 @@ decode engine can run them with KV caches; ``__call__`` is the full forward used
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import flax.linen as nn
@@ -86,7 +87,9 @@ class ByteLM(nn.Module):
     else:
       lo = masks.causal_key_start(doc_BT)
       bq, bk = c.attn_block_q, c.attn_block_k
-    return None, functools.partial(blockwise_attention, lo_BT=lo, block_q=bq, block_k=bk)
+    parallel = c.attn_parallel or (os.cpu_count() or 1 if jax.default_backend() == "cpu" else 1)
+    return None, functools.partial(blockwise_attention, lo_BT=lo, block_q=bq, block_k=bk,
+                                   parallel=parallel)
 
   def embed(self, ids_BT):
     return self.token_embedding(ids_BT)

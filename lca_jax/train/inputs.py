@@ -161,9 +161,13 @@ def make_eval_pipeline(config, plan: BatchPlan):
 
 
 def check_data_files(config) -> None:
-  """Fail early (before compiling anything) when a data glob matches nothing."""
+  """Fail early (before compiling anything) on a config value no run can use
+  (``run_config.validate_run_config``: unknown data.format / data.packing, negative
+  train.steps, a learning rate that is not positive, ...) and when a data glob matches nothing."""
   from lca_jax.data import sources  # pylint: disable=g-import-not-at-top
   from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
+  from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
+  run_config.validate_run_config(config)
   for name, src in data_sources(config).items():
     if src is None or src["format"] == "tfds":
       continue

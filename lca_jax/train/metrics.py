@@ -165,7 +165,7 @@ class MetricsWriter:
 
   def _append(self, path, record):
     with open(path, "a", encoding="utf-8") as f:
-      f.write(json.dumps(record) + "\n")
+      f.write(json.dumps(record, allow_nan=False) + "\n")  # strict JSON: _clean made NaN None
 
   def write_train(self, step: int, values: dict):
     if not self.active:

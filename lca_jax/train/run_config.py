@@ -5,16 +5,20 @@ config}``; process 0 writes it atomically when a run starts. ``check_resume_conf
 with the config of a run resuming the directory and raises ``ConfigMismatchError`` naming the
 fields that differ, except those in ``RESUME_MUTABLE`` (steps, logging, checkpoint cadence,
 mesh, ...), which may change between a checkpoint and the run resuming it.
+``validate_run_config`` rejects values no run can use (an unknown ``data.format`` or
+``data.packing``, negative ``train.steps``, a learning rate that is not a positive number, ...)
+with a ``RunConfigError`` naming every bad field, before anything is built.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Optional
 
 import jax
 
-from lca_jax.model.config import ModelConfig
+from lca_jax.model.config import ConfigError, ModelConfig
 
 CONFIG_FILE = "train_config.json"
 
@@ -25,13 +29,114 @@ RESUME_MUTABLE = (
     "train.micro_batch_size", "train.peak_tflops", "train.tensorboard",
     "train.async_checkpointing", "data.eval_files", "model.attention_impl", "model.remat",
     "model.max_seq_len", "model.attn_block_q", "model.attn_block_k", "model.lca_block_q",
-    "model.lca_lookback",
+    "model.lca_lookback", "model.attn_parallel",
     "mesh.data", "mesh.fsdp", "mesh.tensor",
 )
 
 
 class ConfigMismatchError(ValueError):
   """The run config differs from the one that wrote the checkpoint being resumed."""
+
+
+class RunConfigError(ConfigError):
+  """A run config value that no run can use (unknown data format, negative steps, ...)."""
+
+
+# data.format values (``arrayrecord`` is the configs' spelling of ``array_record``; "" = infer
+# from the file extension).
+DATA_FORMATS = ("parquet", "jsonl", "text", "arrayrecord", "array_record", "tfds")
+PACKINGS = ("concat", "segmented")
+SFT_PACKINGS = ("concat", "segmented", "single")  # concat means segmented for SFT examples
+
+_MISSING = object()
+
+
+def _value(config, dotted: str):
+  node = config
+  for part in dotted.split("."):
+    try:
+      if part not in node:
+        return _MISSING
+      node = node[part]
+    except (TypeError, KeyError, AttributeError):
+      return _MISSING
+  return node
+
+
+def _number(v, integer: bool):
+  """``v`` as an int / finite float, or None when it is not one."""
+  if isinstance(v, bool):
+    return None
+  if integer:
+    return int(v) if isinstance(v, int) else None
+  if isinstance(v, (int, float)) and math.isfinite(float(v)):
+    return float(v)
+  return None
+
+
+# (key, integer?, check, what it must be)
+_NUMBERS = (
+    ("data.seq_len", True, lambda x: x >= 1, "an integer >= 1"),
+    ("data.worker_count", True, lambda x: x >= 0, "an integer >= 0"),
+    ("train.steps", True, lambda x: x >= 0, "an integer >= 0"),
+    ("train.seed", True, lambda x: True, "an integer"),
+    ("train.global_batch_bytes", True, lambda x: x >= 1, "an integer >= 1"),
+    ("train.micro_batch_size", True, lambda x: x >= 1, "an integer >= 1"),
+    ("train.log_every", True, lambda x: x >= 0, "an integer >= 0"),
+    ("train.eval_every", True, lambda x: x >= 0, "an integer >= 0 (0 = no eval)"),
+    ("train.eval_batches", True, lambda x: x >= 0, "an integer >= 0 (0 = all)"),
+    ("train.checkpoint_every", True, lambda x: x >= 0, "an integer >= 0 (0 = only at the end)"),
+    ("train.keep_checkpoints", True, lambda x: x >= 0, "an integer >= 0"),
+    ("train.lambda_ntp", False, lambda x: x >= 0, "a finite number >= 0"),
+    ("train.lambda_mbp", False, lambda x: x >= 0, "a finite number >= 0"),
+    ("train.lambda_bp", False, lambda x: x >= 0, "a finite number >= 0"),
+    ("train.peak_tflops", False, lambda x: x >= 0, "a finite number >= 0 (0 = look up)"),
+    ("optim.lr", False, lambda x: x > 0, "a finite number > 0"),
+    ("optim.warmup_steps", True, lambda x: x >= 0, "an integer >= 0"),
+    ("optim.decay_steps", True, lambda x: x >= 0, "an integer >= 0 (0 = train.steps)"),
+    ("optim.final_lr_ratio", False, lambda x: x >= 0, "a finite number >= 0"),
+    ("optim.b1", False, lambda x: 0 <= x < 1, "a number in [0, 1)"),
+    ("optim.b2", False, lambda x: 0 <= x < 1, "a number in [0, 1)"),
+    ("optim.eps", False, lambda x: x > 0, "a finite number > 0"),
+    ("optim.weight_decay", False, lambda x: x >= 0, "a finite number >= 0"),
+    ("optim.clip_norm", False, lambda x: x >= 0, "a finite number >= 0 (0 = no clipping)"),
+)
+
+
+def validate_run_config(config, *, min_steps: int = 0) -> None:
+  """Raise ``RunConfigError`` naming every field of ``config`` (an ml_collections ConfigDict
+  or a dict) that no run can use. Fields a config does not have are not checked.
+  ``min_steps``: the least ``train.steps`` accepted (lca-train asks for 1: a run of 0 steps
+  trains and saves nothing; the Python API allows 0 to get the initial state back)."""
+  from lca_jax.data.sft_format import SFT_FORMATS  # pylint: disable=g-import-not-at-top
+  bad = []
+  fmt = _value(config, "data.format")
+  if fmt is not _MISSING and not (isinstance(fmt, str) and fmt.strip() in DATA_FORMATS + ("",)):
+    bad.append(f"data.format={fmt!r} is not a data format; use one of {', '.join(DATA_FORMATS[:3])}"
+               f", arrayrecord or tfds")
+  sft = _value(config, "data.sft_format")
+  sft_on = isinstance(sft, str) and bool(sft.strip())
+  if sft is not _MISSING and sft is not None and not (
+      isinstance(sft, str) and sft.strip() in SFT_FORMATS + ("",)):
+    bad.append(f"data.sft_format={sft!r} is not an SFT format; use one of {', '.join(SFT_FORMATS)} "
+               "(or \"\" for pretraining)")
+  packing = _value(config, "data.packing")
+  allowed = SFT_PACKINGS if sft_on else PACKINGS
+  if packing is not _MISSING and packing not in allowed:
+    bad.append(f"data.packing={packing!r} is not a packing mode; use one of {', '.join(allowed)}")
+  for key, integer, ok, what in _NUMBERS:
+    v = _value(config, key)
+    if v is _MISSING:
+      continue
+    x = _number(v, integer)
+    if x is None or not ok(x):
+      bad.append(f"{key} must be {what}, got {v!r}")
+  steps = _number(_value(config, "train.steps"), True)
+  if min_steps and steps is not None and 0 <= steps < min_steps:
+    bad.append(f"train.steps must be >= {min_steps} (the number of optimizer steps to train "
+               f"to), got {steps}")
+  if bad:
+    raise RunConfigError("bad config: " + "; ".join(bad))
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
