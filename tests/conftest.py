@@ -9,6 +9,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import functools  # noqa: E402
+import importlib.util  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -221,3 +222,14 @@ def tiny_upstream_checkpoint(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("tiny_upstream_checkpoint"))
   upstream.write_dir(path, random_params(cfg), cfg)
   return path
+
+
+TOOLS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+
+
+def load_tool(name: str):
+  """The module of ``tools/<name>.py`` (tools are scripts, not a package)."""
+  spec = importlib.util.spec_from_file_location(name, os.path.join(TOOLS_DIR, f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod

@@ -127,18 +127,24 @@ def _model_batch(t):
   }
 
 
-@functools.lru_cache(maxsize=None)
-def _loss_and_grads(cfg, t):
+def _loss_fn(cfg, t):
+  """params -> (training loss, model outputs) on the two-row batch of length t."""
   model = ByteLM(cfg)
   batch = _model_batch(t)
+  key = jax.random.PRNGKey(3)
 
   def loss_fn(params):
     out = model.apply({"params": params}, batch["ids"], batch["segment_ids"], batch["positions"],
-                      train=True, rngs={"gumbel": jax.random.PRNGKey(3),
-                                        "dropout": jax.random.PRNGKey(3)})
+                      train=True, rngs={"gumbel": key, "dropout": key})
     return compute_loss(cfg, out, batch, (1.0, 1.0, 10.0))[0], out
 
-  (loss, out), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(random_params(cfg))
+  return loss_fn
+
+
+@functools.lru_cache(maxsize=None)
+def _loss_and_grads(cfg, t):
+  grad_fn = jax.value_and_grad(_loss_fn(cfg, t), has_aux=True)
+  (loss, out), grads = jax.jit(grad_fn)(random_params(cfg))
   return loss, out, grads
 
 
@@ -169,17 +175,9 @@ def test_no_t_by_t_buffer_in_train_step(variant, impl):
   t = 400  # more than the vocabulary (384) and the latent capacity, so only T x T matches
   cfg = tiny_config(variant, attention_impl=impl, attn_block_q=32, attn_block_k=32,
                     lca_block_q=16, lca_lookback=16)
-  model = ByteLM(cfg)
-  batch = _model_batch(t)
-
-  def loss_fn(params):
-    out = model.apply({"params": params}, batch["ids"], batch["segment_ids"], batch["positions"],
-                      train=True, rngs={"gumbel": jax.random.PRNGKey(0),
-                                        "dropout": jax.random.PRNGKey(0)})
-    return compute_loss(cfg, out, batch)[0]
-
+  grad_fn = jax.grad(lambda p: _loss_fn(cfg, t)(p)[0])
   params = random_params(cfg)
-  text = jax.jit(jax.grad(loss_fn)).lower(params).compile().as_text()
+  text = jax.jit(grad_fn).lower(params).compile().as_text()
   square = costs.buffers(text, t)["t_by_t_buffers"]
   if impl == "xla":
     assert not square, f"[T, T] arrays in the blockwise step: {sorted(square)[:5]}"

@@ -5,11 +5,12 @@
 Runs on random params of a tiny LCA-MBP model (the session's ``tiny_upstream_checkpoint``);
 two of the four modes, since every mode is one engine compile (seconds each on CPU).
 """
-import importlib.util
 import json
 import os
 
 import pytest
+
+from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "bench_decode.py")
@@ -22,10 +23,7 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _tool():
-  spec = importlib.util.spec_from_file_location("bench_decode", TOOL)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_tool("bench_decode")
 
 
 def test_bench_decode_tiny(tiny_upstream_checkpoint, capsys):

@@ -6,11 +6,12 @@ object).
 ``--small``: tiny shapes and Pallas interpret mode, so it runs on CPU (the times mean nothing);
 one block configuration, since each is two interpret-mode compiles.
 """
-import importlib.util
 import json
 import os
 
 import pytest
+
+from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "bench_kernel.py")
@@ -21,10 +22,7 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _tool():
-  spec = importlib.util.spec_from_file_location("bench_kernel", TOOL)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_tool("bench_kernel")
 
 
 def test_bench_kernel_small(capsys):

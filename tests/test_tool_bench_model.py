@@ -2,11 +2,12 @@
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest -q tests/test_tool_bench_model.py
 """
-import importlib.util
 import json
 import os
 
 import pytest
+
+from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "bench_model.py")
@@ -22,10 +23,7 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _tool():
-  spec = importlib.util.spec_from_file_location("bench_model", TOOL)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_tool("bench_model")
 
 
 def test_bench_model_tiny(capsys):

@@ -2,8 +2,9 @@
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest -q tests/test_tool_bench_train.py
 """
-import importlib.util
 import os
+
+from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "bench_train.py")
@@ -19,10 +20,7 @@ KEYS = {"config", "backend", "device_kind", "devices", "mesh", "params", "dtype"
 
 
 def _tool():
-  spec = importlib.util.spec_from_file_location("bench_train", TOOL)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_tool("bench_train")
 
 
 def test_bench_train_tiny(capsys):

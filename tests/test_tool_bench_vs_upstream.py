@@ -7,10 +7,11 @@ The throughput run needs a checkout of the paper's code (the folder holding
 src/model/modern_fxt.py) named by LCA_UPSTREAM_SRC; without one it is skipped. The bad-input
 checks run always.
 """
-import importlib.util
 import os
 
 import pytest
+
+from conftest import load_tool
 
 pytest.importorskip("torch")
 
@@ -21,10 +22,7 @@ TINY = ["--d-model", "32", "--d-inner", "64", "--n-heads", "2", "--layers", "1,1
 
 
 def _tool():
-  spec = importlib.util.spec_from_file_location("bench_vs_upstream", TOOL)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_tool("bench_vs_upstream")
 
 
 def _upstream_src():

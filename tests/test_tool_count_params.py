@@ -2,19 +2,17 @@
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest -q tests/test_tool_count_params.py
 """
-import importlib.util
 import json
 import os
+
+from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "count_params.py")
 
 
 def _tool():
-  spec = importlib.util.spec_from_file_location("count_params", TOOL)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_tool("count_params")
 
 
 def test_count_params_tiny(capsys):

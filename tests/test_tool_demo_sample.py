@@ -6,10 +6,11 @@ Runs on random params of a tiny LCA-MBP model (the session's ``tiny_upstream_che
 the text is noise; the test checks that every section is printed and that no decoding path
 fell back or failed.
 """
-import importlib.util
 import os
 
 import pytest
+
+from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "demo_sample.py")
@@ -19,10 +20,7 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _tool():
-  spec = importlib.util.spec_from_file_location("demo_sample", TOOL)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_tool("demo_sample")
 
 
 def _no_fallback(text):

@@ -8,13 +8,14 @@ nvidia-smi on PATH that log their arguments and succeed. The test checks the scr
 its wheel handling, that every part runs and is summarised, that each test file and tool it
 names exists and that the options it passes to the tools parse.
 """
-import importlib.util
 import os
 import shlex
 import shutil
 import subprocess
 
 import pytest
+
+from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tools", "gpu_check.sh")
@@ -28,11 +29,6 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ti
                                 reason="needs bash and timeout")
 
 
-def _tool(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
 
 
 def _rehearse(tmp_path, *args, demo=False, wheels=None):
@@ -92,7 +88,7 @@ def test_rehearsal(tmp_path, demo):
       ran.append(argv[0])
       assert argv[0].startswith("tools/") and (work / argv[0]).is_file(), argv
       # the options the script passes are the tool's own
-      _tool(os.path.splitext(os.path.basename(argv[0]))[0]).parse_args(argv[1:])
+      load_tool(os.path.splitext(os.path.basename(argv[0]))[0]).parse_args(argv[1:])
   assert ran == ["tests/test_kernels.py", "tools/bench_kernel.py"] + (
       ["tools/bench_decode.py"] if demo else []) + ["tests/test_decode.py"]
 
