@@ -13,10 +13,10 @@ from lca_jax.interop import upstream
 from lca_jax.interop.errors import CheckpointError
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import ByteLM
+from lca_jax.errors import LoadError
+from lca_jax.train import checkpoint
 
-
-class LoadError(ValueError):
-  """A path that ``lca_jax.load`` cannot serve."""
+__all__ = ["LoadError", "Model", "load", "load_upstream"]
 
 
 class Model:
@@ -110,11 +110,7 @@ def load(path: str, step: Optional[int] = None) -> Model:
       return load_upstream(path)
     except CheckpointError as e:
       raise LoadError(str(e)) from e
-  try:
-    from lca_jax.train import checkpoint  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    checkpoint = None
-  if checkpoint is not None and checkpoint.is_workdir(path):
+  if checkpoint.is_workdir(path):
     cfg, params = checkpoint.load_for_inference(path, step=step)
     try:
       extras = upstream.read_extras(path, cfg)

@@ -7,8 +7,10 @@ import sys
 
 import ml_collections
 
+from lca_jax.errors import LcaError
 
-class ConfigFileError(ValueError):
+
+class ConfigFileError(LcaError, ValueError):
   """A config file that cannot be loaded (missing, a syntax error, an exception while it runs,
   no get_config()) or an override that cannot be applied."""
 

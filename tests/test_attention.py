@@ -183,3 +183,21 @@ def test_no_t_by_t_buffer_in_train_step(variant, impl):
     assert not square, f"[T, T] arrays in the blockwise step: {sorted(square)[:5]}"
   else:
     assert square
+
+
+@pytest.mark.parametrize("case,parallel", [("gqa_docs", 2), ("mqa_one_doc", 3)])
+def test_parallel_loop_nests_same_result(case, parallel):
+  """Cutting a call over kv heads (GQA: 2 kv heads, 2 nests) or batch rows (MQA: 3 rows,
+  3 nests) gives the single call's values and gradients."""
+  t, block, h, kv, docs = CASES[case]
+  q, k, v, doc, grp = _case(len(case), t, block, h, kv, docs)
+  lo = masks.lca_key_start(grp, doc)
+  call = lambda p: lambda q, k, v: blockwise_attention(q, k, v, lo, block_q=block, block_k=block,
+                                                       parallel=p)
+  w = jnp.asarray(np.random.default_rng(2).standard_normal(q.shape), jnp.float32)
+  run = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))(
+      q, k, v)
+  (l1, g1), (lp, gp) = run(call(1)), run(call(parallel))
+  assert_rel_close(lp, l1, what="loss")
+  for name, a, b in zip("qkv", gp, g1):
+    assert_rel_close(a, b, what=f"d{name}")

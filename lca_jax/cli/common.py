@@ -5,8 +5,10 @@ import os
 import sys
 from typing import Callable
 
+from lca_jax.errors import LcaError
 
-class CliError(Exception):
+
+class CliError(LcaError):
   """An error to report in one line."""
 
 
@@ -20,12 +22,9 @@ def prog() -> str:
 
 def run_main(fn: Callable[[], int]) -> int:
   """Run ``fn``; user-facing errors (bad paths, configs, prompts) become one line on stderr."""
-  from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top
-  from lca_jax.decode.engine import DecodeError  # pylint: disable=g-import-not-at-top
-  from lca_jax.model.config import ConfigError  # pylint: disable=g-import-not-at-top
   try:
     return fn()
-  except (CliError, LoadError, DecodeError, ConfigError) as e:
+  except LcaError as e:  # every user-facing error of the package (lca_jax/errors.py)
     print(f"{prog()}: error: {e}", file=sys.stderr, flush=True)
     return 2
   except OSError as e:  # a path that cannot be read or written: one line, not a traceback

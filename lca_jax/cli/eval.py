@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lca_jax.cli.common import CliError, fail
+from lca_jax.cli.common import fail
+from lca_jax.errors import LcaError
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -237,14 +238,9 @@ def _cmd_sweep(a) -> int:
 
 def main(argv=None) -> int:
   a = _parser().parse_args(argv)
-  from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top
-  from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
-  from lca_jax.decode.engine import DecodeError  # pylint: disable=g-import-not-at-top
-  from lca_jax.eval.tasks import TaskError  # pylint: disable=g-import-not-at-top
-  from lca_jax.model.config import ConfigError  # pylint: disable=g-import-not-at-top
   try:
     return {"bpb": _cmd_bpb, "tasks": _cmd_tasks, "sweep": _cmd_sweep}[a.command](a)
-  except (CliError, LoadError, DataError, DecodeError, TaskError, ConfigError) as e:
+  except LcaError as e:  # every user-facing error of the package (lca_jax/errors.py)
     return _fail(str(e))
   except OSError as e:  # a path that cannot be read or written (not a bug: one line)
     return _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))

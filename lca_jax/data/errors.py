@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from lca_jax.errors import LcaError
+
 SKIP_REASONS = ("not_string", "empty", "undecodable", "bad_json", "unreadable")
 
 
-class DataError(RuntimeError):
+class DataError(LcaError, RuntimeError):
     """Clear, user-facing data problem (missing files, corrupt shard, ...)."""
 
 

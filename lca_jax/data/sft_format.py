@@ -55,6 +55,7 @@ import numpy as np
 from lca_jax import vocab
 from lca_jax.data.errors import DataError
 from lca_jax.data.readers import _read_bytes
+from lca_jax.errors import LcaError
 
 SFT_FORMATS = ("chat", "translation", "summarization", "qa")
 PROMPT_FORMATS = SFT_FORMATS + ("ifeval",)
@@ -67,7 +68,7 @@ LANGUAGES = {"en": "english", "es": "spanish", "fr": "french", "de": "german", "
              "ar": "arabic", "hi": "hindi", "ko": "korean", "pl": "polish", "tr": "turkish"}
 
 
-class ExampleError(ValueError):
+class ExampleError(LcaError, ValueError):
     """An example that does not have the fields its format needs."""
 
 

@@ -27,13 +27,14 @@ from lca_jax import vocab
 from lca_jax.decode import cache
 from lca_jax.decode.sampling import SamplingParams, choose, log_probs, speculative_accept
 from lca_jax.model.config import ModelConfig
+from lca_jax.errors import LcaError
 
 MODES = ("ntp", "threshold", "verify", "drafter")
 MAX_N = 64  # most bytes proposed per step (``n``) in the multi-byte modes
 STOP_REASONS = ("eos", "max_bytes", "context", "steps")
 
 
-class DecodeError(ValueError):
+class DecodeError(LcaError, ValueError):
   """An inference request that cannot be served: a generate() or forward() call with a bad
   argument (mode, n, tau, max_bytes, a prompt longer than the context, ...)."""
 

@@ -40,6 +40,7 @@ from lca_jax.decode import engine
 from lca_jax.data.errors import DataError
 from lca_jax.data.readers import _read_bytes
 from lca_jax.eval import ifeval, metrics
+from lca_jax.errors import LcaError
 
 TASKS = ("summarization", "translation", "qa", "ifeval")
 TASK_FORMAT = {"summarization": "summarization", "translation": "translation", "qa": "qa",
@@ -49,7 +50,7 @@ DEFAULT_MAX_BYTES = {"summarization": 512, "translation": 256, "qa": 64, "ifeval
 SAMPLING = {"ifeval": dict(temperature=0.7, top_p=0.9)}  # everything else: greedy
 
 
-class TaskError(ValueError):
+class TaskError(LcaError, ValueError):
   """A task request that cannot be served (unknown task, bad data file)."""
 
 

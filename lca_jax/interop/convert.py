@@ -42,11 +42,12 @@ import numpy as np
 from lca_jax.interop import upstream
 from lca_jax.interop.errors import CheckpointError
 from lca_jax.model.config import ConfigError, ModelConfig
+from lca_jax.errors import LcaError
 
 VOCAB_MULTIPLE = 128
 
 
-class ConvertError(ValueError):
+class ConvertError(LcaError, ValueError):
   """A conversion that cannot be done (bad input, existing output, mismatched model)."""
 
 

@@ -12,13 +12,15 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from lca_jax.errors import LcaError
+
 KINDS = ("flat", "hierarchical")
 BOUNDARIES = ("learned", "spacebyte")
 ATTENTION_IMPLS = ("xla", "dense", "pallas")
 DTYPES = ("float32", "bfloat16")
 
 
-class ConfigError(ValueError):
+class ConfigError(LcaError, ValueError):
   """A model config that cannot be built (unknown key, bad value)."""
 
 

@@ -40,6 +40,7 @@ from typing import Any, Optional
 import jax
 import orbax.checkpoint as ocp
 
+from lca_jax.errors import LoadError
 from lca_jax.model.config import ModelConfig
 from lca_jax.train.manifest import (MANIFEST, CorruptCheckpointError, CorruptCheckpointWarning, _short,
                                     check_process_count, verify_step, write_manifest)
@@ -294,7 +295,6 @@ def model_config(workdir: str) -> ModelConfig:
 
 def load_for_inference(path: str, step: Optional[int] = None):
   """(ModelConfig, float32 params on one device) from a work directory's checkpoint."""
-  from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top
   from lca_jax.train.state import abstract_params  # pylint: disable=g-import-not-at-top
   try:
     cfg = model_config(path)

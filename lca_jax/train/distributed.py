@@ -36,12 +36,14 @@ import threading
 import time
 from typing import Mapping, Optional, Sequence
 
+from lca_jax.errors import LcaError
+
 DEFAULT_HEARTBEAT_TIMEOUT = 60  # seconds; jax's own default is 100
 DEFAULT_INIT_TIMEOUT = 300  # seconds to wait for all processes to connect
 EXIT_HUNG = 3  # exit status of a process ended by the watchdog
 
 
-class DistributedError(RuntimeError):
+class DistributedError(LcaError, RuntimeError):
   """A multi-process launch that cannot work (missing / inconsistent parameters, no peers)."""
 
 

@@ -5,10 +5,13 @@ work directory, a ``train.init_from`` that does not match the model); ``NonFinit
 the one ``train_and_evaluate`` raises when the loss or gradient norm stops being finite. Kept in
 their own module so the data wiring (``inputs``) and the loop (``loop``) raise the same types.
 """
+
 from __future__ import annotations
 
+from lca_jax.errors import LcaError
 
-class TrainError(RuntimeError):
+
+class TrainError(LcaError, RuntimeError):
   """A user-facing training problem (bad batch layout, unwritable workdir, ...)."""
 
 

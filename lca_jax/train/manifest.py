@@ -17,13 +17,14 @@ from typing import Optional
 import jax
 
 from lca_jax.train.run_config import ConfigMismatchError
+from lca_jax.errors import LcaError
 
 MANIFEST = "lca_manifest.json"
 # Files orbax may still rewrite after the commit; not part of the manifest.
 _UNSEALED = frozenset({MANIFEST, MANIFEST + ".tmp", "_CHECKPOINT_METADATA"})
 
 
-class CorruptCheckpointError(RuntimeError):
+class CorruptCheckpointError(LcaError, RuntimeError):
   """No checkpoint of the work directory can be restored (or one cannot, in a multi-process
   run, where falling back is not safe)."""
 

@@ -19,6 +19,7 @@ from typing import Optional
 import jax
 
 from lca_jax.model.config import ConfigError, ModelConfig
+from lca_jax.errors import LcaError
 
 CONFIG_FILE = "train_config.json"
 
@@ -34,7 +35,7 @@ RESUME_MUTABLE = (
 )
 
 
-class ConfigMismatchError(ValueError):
+class ConfigMismatchError(LcaError, ValueError):
   """The run config differs from the one that wrote the checkpoint being resumed."""
 
 

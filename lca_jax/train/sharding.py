@@ -24,6 +24,8 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from lca_jax.errors import LcaError
+
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
@@ -39,7 +41,7 @@ LOGICAL_RULES = (
 )
 
 
-class MeshError(ValueError):
+class MeshError(LcaError, ValueError):
   """A mesh or batch layout that the devices cannot realise."""
 
 
