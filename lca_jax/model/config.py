@@ -59,7 +59,7 @@ class ModelConfig:
   attn_block_k: int = 64  # blockwise key tile (causal stacks)
   lca_block_q: int = 64  # LCA head query block; its key tile is lca_block_q + lca_lookback
   lca_lookback: int = 32  # keys before a block that one LCA tile covers (more -> more tiles)
-  attn_parallel: int = 0  # independent blockwise loop nests per call; 0 = host cores on CPU, else 1
+  attn_parallel: int = 1  # independent blockwise loop nests per call (0 = host cores on CPU)
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: bool = False
 
