@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from lca_jax import configs_io  # noqa: E402
-from lca_jax.train import costs, inputs, loop, metrics  # noqa: E402
+from lca_jax.train import costs, inputs, loop, metrics, timing  # noqa: E402
 from lca_jax.train import sharding as shd  # noqa: E402
 
 
@@ -80,24 +80,8 @@ def run_steps(config, setup, steps: int, warmup: int) -> dict:
   pipe = inputs.make_train_pipeline(config, plan)
   host = [next(pipe) for _ in range(warmup + steps)]
   pipe.close()
-  t0 = time.perf_counter()
-  state = setup.init_state()
-  jax.block_until_ready(state)
-  init_s = time.perf_counter() - t0
-  with shd.mesh_context(setup.mesh):
-    t0 = time.perf_counter()
-    for b in host[:warmup]:
-      state, m = setup.train_step(state, setup.device_batch(b))
-    jax.block_until_ready((state, m))
-    warm_s = time.perf_counter() - t0
-    ms = []
-    t0 = time.perf_counter()
-    for b in host[warmup:]:
-      state, m = setup.train_step(state, setup.device_batch(b))
-      ms.append(m)
-    jax.block_until_ready((state, ms))
-    dt = (time.perf_counter() - t0) / max(steps, 1)
-  ms = jax.device_get(ms)
+  timed = timing.time_train_steps(setup, host, warmup)
+  ms, dt, init_s, warm_s = timed["metrics"], timed["step_s"], timed["init_s"], timed["warmup_s"]
   bpl = sum(float(m.get("bytes_per_latent", 0.0)) for m in ms) / max(len(ms), 1) or None
   n_dev = setup.mesh.devices.size
   flops = metrics.train_flops_per_step(setup.model_cfg, setup.abstract.params, plan.rows,

@@ -53,7 +53,7 @@ from lca_jax import vocab  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.data.errors import DataError  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.interop.upstream import config_to_upstream  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.model.config import ConfigError  # noqa: E402  pylint: disable=g-import-not-at-top
-from lca_jax.train import inputs, loop  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.train import inputs, loop, timing  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.train import sharding as shd  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.train.errors import TrainError  # noqa: E402  pylint: disable=g-import-not-at-top
 
@@ -221,30 +221,10 @@ def n_params_jax(params) -> int:
 
 
 def bench_lca(setup, host, warmup: int) -> dict:
-  t0 = time.perf_counter()
-  state = setup.init_state()
-  jax.block_until_ready(state)
-  init_s = time.perf_counter() - t0
-  with shd.mesh_context(setup.mesh):
-    t0 = time.perf_counter()
-    state, m = setup.train_step(state, setup.device_batch(host[0]))
-    jax.block_until_ready((state, m))
-    compile_s = time.perf_counter() - t0
-    for b in host[1:warmup]:
-      state, m = setup.train_step(state, setup.device_batch(b))
-    jax.block_until_ready((state, m))
-    ms = []
-    t0 = time.perf_counter()
-    for b in host[warmup:]:
-      state, m = setup.train_step(state, setup.device_batch(b))
-      ms.append(m)
-    jax.block_until_ready((state, ms))
-    total = time.perf_counter() - t0
-  ms = jax.device_get(ms)
-  steps = len(host) - warmup
-  step_s = total / steps
+  timed = timing.time_train_steps(setup, host, warmup)
+  ms, step_s = timed["metrics"], timed["step_s"]
+  init_s, compile_s = timed["init_s"], timed["first_step_s"]
   bpl = [float(x["bytes_per_latent"]) for x in ms if "bytes_per_latent" in x]
-  del state
   return dict(bytes_per_s=setup.plan.bytes_per_step / step_s, step_s=step_s,
               compile_s=compile_s, init_s=init_s, devices=int(setup.mesh.devices.size),
               bytes_per_latent=(sum(bpl) / len(bpl)) if bpl else None,
