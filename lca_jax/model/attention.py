@@ -33,6 +33,12 @@ from jax import lax
 NEG_INF = -1e30
 
 
+def _pad_lo(lo_BT, length):
+  """Key starts padded to ``length`` queries; padded queries have no key (lo = int32 max)."""
+  return jnp.pad(lo_BT.astype(jnp.int32), ((0, 0), (0, length - lo_BT.shape[1])),
+                 constant_values=jnp.iinfo(jnp.int32).max)
+
+
 class Schedule(NamedTuple):
   """Per query block: first key of its first tile and the number of tiles it visits."""
   start_N: jax.Array  # int32 [N]
@@ -44,8 +50,7 @@ def schedule(lo_BT: jax.Array, block_q: int, block_k: int) -> Schedule:
   b, t = lo_BT.shape
   n = -(-t // block_q)
   pos_T = jnp.arange(n * block_q, dtype=jnp.int32)
-  lo = jnp.pad(lo_BT.astype(jnp.int32), ((0, 0), (0, n * block_q - t)),
-               constant_values=jnp.iinfo(jnp.int32).max)
+  lo = _pad_lo(lo_BT, n * block_q)
   nonempty_BT = lo <= pos_T
   first_N = jnp.min(jnp.where(nonempty_BT, lo, t).reshape(b, n, block_q), axis=(0, 2))
   end_N = jnp.max(jnp.where(nonempty_BT, pos_T + 1, 0).reshape(b, n, block_q), axis=(0, 2))
@@ -85,8 +90,7 @@ def _layout(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k) -> _Blocks:
   b, t = lo_BT.shape
   kv = k_BTKE.shape[2]
   n = -(-t // block_q)
-  lo = jnp.pad(lo_BT.astype(jnp.int32), ((0, 0), (0, n * block_q - t)),
-               constant_values=jnp.iinfo(jnp.int32).max)
+  lo = _pad_lo(lo_BT, n * block_q)
   kpad = lambda x: jnp.pad(x, ((0, 0), (0, block_k), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
   return _Blocks(_to_blocks(q_BTHE, kv, block_q), lo.reshape(b, n, block_q).transpose(1, 0, 2),
                  kpad(k_BTKE), kpad(v_BTKE), schedule(lo_BT, block_q, block_k))
@@ -106,10 +110,9 @@ def _tile(blocks: _Blocks, n, tile, q_BKGQE, lo_BQ, block_q, block_k, scale):
   return s * scale, mask_BQS[:, None, None], k_t, v_t, s0
 
 
-def _forward(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k, scale):
+def _forward(blocks: _Blocks, t, block_q, block_k, scale):
   """(out [B,T,H,E], lse [N,B,K,G,Q] float32; +inf marks rows with no key)."""
-  t, e = q_BTHE.shape[1], q_BTHE.shape[3]
-  blocks = _layout(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k)
+  e = blocks.q_NBKGQE.shape[-1]
 
   def per_block(n):
     q_n, lo_n = blocks.q_NBKGQE[n], blocks.lo_NBQ[n]
@@ -133,17 +136,18 @@ def _forward(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k, scale):
     empty = l == 0.0
     out = acc / jnp.where(empty, 1.0, l)[..., None]
     lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-    return out.astype(q_BTHE.dtype), lse
+    return out.astype(q_n.dtype), lse
 
   out_NBKGQE, lse = lax.map(per_block, jnp.arange(blocks.q_NBKGQE.shape[0]))
   return _from_blocks(out_NBKGQE, t), lse
 
 
-def _backward(q_BTHE, k_BTKE, v_BTKE, lo_BT, out_BTHE, lse, do_BTHE, block_q, block_k, scale):
-  t = q_BTHE.shape[1]
-  blocks = _layout(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k)
-  kv = k_BTKE.shape[2]
-  do_NBKGQE = _to_blocks(do_BTHE.astype(q_BTHE.dtype), kv, block_q)
+def _backward(blocks: _Blocks, out_BTHE, lse, do_BTHE, block_q, block_k, scale):
+  """(dq, dk, dv) from the forward's layout (saved, not rebuilt), output and log-sum-exp."""
+  t = out_BTHE.shape[1]
+  kv = blocks.k_BKSE.shape[1]
+  dtype = blocks.q_NBKGQE.dtype
+  do_NBKGQE = _to_blocks(do_BTHE.astype(dtype), kv, block_q)
   delta = jnp.sum(out_BTHE.astype(jnp.float32) * do_BTHE.astype(jnp.float32), axis=-1)
   delta_NBKGQ = _to_blocks(delta[..., None], kv, block_q)[..., 0]
 
@@ -172,23 +176,24 @@ def _backward(q_BTHE, k_BTKE, v_BTKE, lo_BT, out_BTHE, lse, do_BTHE, block_q, bl
 
   zeros = jnp.zeros(blocks.k_BKSE.shape, jnp.float32)
   (dk, dv), dq_NBKGQE = lax.scan(per_block, (zeros, zeros), jnp.arange(blocks.q_NBKGQE.shape[0]))
-  back = lambda x, like: x.transpose(0, 2, 1, 3)[:, :t].astype(like.dtype)
-  return (_from_blocks(dq_NBKGQE, t).astype(q_BTHE.dtype), back(dk, k_BTKE), back(dv, v_BTKE))
+  back = lambda x: x.transpose(0, 2, 1, 3)[:, :t].astype(blocks.k_BKSE.dtype)
+  return _from_blocks(dq_NBKGQE, t).astype(dtype), back(dk), back(dv)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _attention(q, k, v, lo, block_q, block_k, scale):
-  return _forward(q, k, v, lo, block_q, block_k, scale)[0]
+  return _attention_fwd(q, k, v, lo, block_q, block_k, scale)[0]
 
 
 def _attention_fwd(q, k, v, lo, block_q, block_k, scale):
-  out, lse = _forward(q, k, v, lo, block_q, block_k, scale)
-  return out, (q, k, v, lo, out, lse)
+  blocks = _layout(q, k, v, lo, block_q, block_k)
+  out, lse = _forward(blocks, q.shape[1], block_q, block_k, scale)
+  return out, (blocks, out, lse)
 
 
 def _attention_bwd(block_q, block_k, scale, res, do):
-  q, k, v, lo, out, lse = res
-  dq, dk, dv = _backward(q, k, v, lo, out, lse, do, block_q, block_k, scale)
+  blocks, out, lse = res
+  dq, dk, dv = _backward(blocks, out, lse, do, block_q, block_k, scale)
   return dq, dk, dv, None
 
 
