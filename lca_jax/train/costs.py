@@ -40,14 +40,11 @@ import numpy as np
 from lca_jax.model import masks, pooling
 from lca_jax.model.attention import tiles_visited
 from lca_jax.model.config import ModelConfig
+from lca_jax.model.hierarchical import count_params
 
 _DTYPE_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
                 "u16": 2, "s8": 1, "u8": 1, "pred": 1, "s64": 8, "u64": 8}
 _SHAPE = re.compile(r"\b(f64|f32|s32|u32|bf16|f16|s16|u16|s8|u8|pred|s64|u64)\[([0-9,]*)\]")
-
-
-def _count(tree) -> int:
-  return int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
 
 
 def regular_layout(cfg: ModelConfig, rows: int, seq_len: int, group_len: Optional[float] = None):
@@ -90,12 +87,12 @@ def useful_flops(cfg: ModelConfig, params, doc_BT, plan) -> dict:
   out = {}
   for name, layers, lo, _, _ in attention_stacks(cfg, doc_BT, plan):
     tokens = real_slots if name == "lm" else real_bytes
-    out[name] = 6.0 * _count(params[name]) * tokens + 12.0 * layers * he * _keys(lo)
+    out[name] = 6.0 * count_params(params[name]) * tokens + 12.0 * layers * he * _keys(lo)
   head_uses = 1 + (1 if cfg.has_lca else 0) + cfg.n_mlp_mbp
-  out["head"] = 6.0 * _count(params["head"]) * real_bytes * head_uses
+  out["head"] = 6.0 * count_params(params["head"]) * real_bytes * head_uses
   for name in params:
     if name == "boundary_predictor" or name.startswith("mlp_mbp_"):
-      out[name] = 6.0 * _count(params[name]) * real_bytes
+      out[name] = 6.0 * count_params(params[name]) * real_bytes
   out["total"] = sum(out.values())
   return out
 
