@@ -33,7 +33,6 @@ import math
 import re
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
