@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_DIR ?= workdirs/demo
 DEMO_STEPS ?= 2000
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test lint bench clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,11 @@ demo: $(STAMP)
 # pytest exits 5 when no test is collected; that is not a failure of the code.
 test: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(VPY) -m pytest -q -x tests; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+
+# ruff lint (pyflakes, pycodestyle, import order) and format check; config in ruff.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf $(VENV) workdirs

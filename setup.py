@@ -2,41 +2,42 @@
 
 Compatible ranges live here; `requirements.txt` holds the exact pins that `make` installs.
 """
+
 from setuptools import find_packages, setup
 
 setup(
-    name="lca_jax",
-    version="0.1.0",
-    description="JAX/Flax pretraining and fast decoding for LCA-MBP hierarchical byte LMs",
-    long_description=open("README.md", encoding="utf-8").read(),
-    long_description_content_type="text/markdown",
-    python_requires=">=3.10",
-    packages=find_packages(include=["lca_jax", "lca_jax.*"]),
-    package_data={"lca_jax": ["data/corpus/*"]},
-    install_requires=[
-        "jax>=0.9,<0.12",
-        "flax>=0.12,<0.13",
-        "optax>=0.2.5,<0.3",
-        "orbax-checkpoint>=0.11.30,<0.13",
-        "numpy>=1.26",
-        "safetensors>=0.4",
-        "ml-collections>=1.0",
-        "tqdm>=4.60",
-    ],
-    extras_require={
-        "data": ["grain>=0.2.10", "array-record>=0.8", "pyarrow>=15", "tensorflow-datasets>=4.9.8"],
-        "train": ["tensorboardX>=2.6", "grain>=0.2.10", "pyarrow>=15"],
-        "eval": ["rouge-score>=0.1.2", "sacrebleu>=2.4", "matplotlib>=3.8"],
-        "torch": ["torch>=2.4"],
-        "cuda12": ["jax[cuda12]>=0.9,<0.12"],
-        "test": ["pytest>=8"],
-    },
-    entry_points={
-        "console_scripts": [
-            "lca-train=lca_jax.cli.train:main",
-            "lca-sample=lca_jax.cli.sample:main",
-            "lca-eval=lca_jax.cli.eval:main",
-            "lca-convert=lca_jax.cli.convert:main",
-        ]
-    },
+  name="lca_jax",
+  version="0.1.0",
+  description="JAX/Flax pretraining and fast decoding for LCA-MBP hierarchical byte LMs",
+  long_description=open("README.md", encoding="utf-8").read(),
+  long_description_content_type="text/markdown",
+  python_requires=">=3.10",
+  packages=find_packages(include=["lca_jax", "lca_jax.*"]),
+  package_data={"lca_jax": ["data/corpus/*"]},
+  install_requires=[
+    "jax>=0.9,<0.12",
+    "flax>=0.12,<0.13",
+    "optax>=0.2.5,<0.3",
+    "orbax-checkpoint>=0.11.30,<0.13",
+    "numpy>=1.26",
+    "safetensors>=0.4",
+    "ml-collections>=1.0",
+    "tqdm>=4.60",
+  ],
+  extras_require={
+    "data": ["grain>=0.2.10", "array-record>=0.8", "pyarrow>=15", "tensorflow-datasets>=4.9.8"],
+    "train": ["tensorboardX>=2.6", "grain>=0.2.10", "pyarrow>=15"],
+    "eval": ["rouge-score>=0.1.2", "sacrebleu>=2.4", "matplotlib>=3.8"],
+    "torch": ["torch>=2.4"],
+    "cuda12": ["jax[cuda12]>=0.9,<0.12"],
+    "test": ["pytest>=8"],
+  },
+  entry_points={
+    "console_scripts": [
+      "lca-train=lca_jax.cli.train:main",
+      "lca-sample=lca_jax.cli.sample:main",
+      "lca-eval=lca_jax.cli.eval:main",
+      "lca-convert=lca_jax.cli.convert:main",
+    ]
+  },
 )

@@ -2,6 +2,7 @@
 
 Not run directly: see the variant files (e.g. ``configs/lca_mbp.py``) for commands.
 """
+
 import ml_collections
 
 from lca_jax.model.config import ModelConfig
@@ -31,7 +32,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.steps = 100_000
   c.train.seed = 0
   c.train.global_batch_bytes = 1_048_576  # bytes per optimizer step (the paper's 1M)
-  c.train.micro_batch_size = 32  # rows per forward/backward over all devices (accumulation fills the rest)
+  c.train.micro_batch_size = (
+    32  # rows per forward/backward over all devices (accumulation fills the rest)
+  )
   c.train.log_every = 50
   c.train.eval_every = 1000
   c.train.eval_batches = 20
@@ -44,7 +47,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.progress_bar = True
   c.train.tensorboard = True  # TensorBoard event files in WORKDIR/tb
   c.train.async_checkpointing = True
-  c.train.peak_tflops = 0.0  # per-device peak for MFU; 0 = look up the device kind (lca_jax/train/metrics.py)
+  c.train.peak_tflops = (
+    0.0  # per-device peak for MFU; 0 = look up the device kind (lca_jax/train/metrics.py)
+  )
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 3e-4
@@ -66,8 +71,16 @@ def base_config() -> ml_collections.ConfigDict:
 
 def paper_model(**overrides) -> ml_collections.ConfigDict:
   """Paper scale (Table 2): d 1024, inner 4096, 8 heads / 8 kv heads, bf16 compute."""
-  kw = dict(d_model=1024, d_inner=4096, n_heads=8, n_kv_heads=8, dropout=0.1, dtype="bfloat16",
-            max_latent_ratio=0.0, vocab_size=384)
+  kw = dict(
+    d_model=1024,
+    d_inner=4096,
+    n_heads=8,
+    n_kv_heads=8,
+    dropout=0.1,
+    dtype="bfloat16",
+    max_latent_ratio=0.0,
+    vocab_size=384,
+  )
   kw.update(overrides)
   return model_config(**kw)
 
@@ -76,8 +89,15 @@ def tiny_model(**overrides) -> ml_collections.ConfigDict:
   """A CPU-sized model (~0.36M params): `make demo` trains it (tiny_config) in a few minutes on
   2 cores. max_latent_ratio 0 (auto, ModelConfig.latent_ratio) sizes the latent stack from the
   boundary prior (0.5 slots per byte at T 128; learned groups average ~3 bytes)."""
-  kw = dict(d_model=64, d_inner=192, n_heads=4, n_kv_heads=2, dropout=0.0, vocab_size=384,
-            max_latent_ratio=0.0)
+  kw = dict(
+    d_model=64,
+    d_inner=192,
+    n_heads=4,
+    n_kv_heads=2,
+    dropout=0.0,
+    vocab_size=384,
+    max_latent_ratio=0.0,
+  )
   kw.update(overrides)
   return model_config(**kw)
 

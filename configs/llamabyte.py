@@ -3,6 +3,7 @@
 Run:
     lca-train --config configs/llamabyte.py --workdir runs/llamabyte --config.data.train_files='/data/fineweb-edu/train-*.parquet' --config.data.eval_files='/data/fineweb-edu/val-*.parquet'
 """
+
 from configs import base
 
 

@@ -3,6 +3,7 @@
 Run:
     lca-train --config configs/tiny_fxt.py --workdir workdirs/tiny_fxt
 """
+
 from configs import base
 
 

@@ -3,6 +3,7 @@
 Run:
     lca-train --config configs/tiny_lca_mbp.py --workdir workdirs/tiny_lca_mbp
 """
+
 from configs import base
 
 

@@ -3,6 +3,7 @@
 Run:
     lca-train --config configs/tiny_llamabyte.py --workdir workdirs/tiny_llamabyte
 """
+
 from configs import base
 
 

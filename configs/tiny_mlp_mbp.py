@@ -3,6 +3,7 @@
 Run:
     lca-train --config configs/tiny_mlp_mbp.py --workdir workdirs/tiny_mlp_mbp
 """
+
 from configs import base
 
 

@@ -8,6 +8,7 @@
 Heavy modules (jax, flax) are imported on first use, so ``lca_jax.data`` and ``lca_jax.vocab``
 stay light (grain worker processes import them).
 """
+
 __version__ = "0.1.0"
 __all__ = ["load", "Model", "LoadError", "DecodeError", "ModelConfig"]
 
@@ -15,11 +16,14 @@ __all__ = ["load", "Model", "LoadError", "DecodeError", "ModelConfig"]
 def __getattr__(name):
   if name in ("load", "Model", "LoadError"):
     from lca_jax import api  # pylint: disable=g-import-not-at-top
+
     return getattr(api, name)
   if name == "DecodeError":
     from lca_jax.decode.engine import DecodeError  # pylint: disable=g-import-not-at-top
+
     return DecodeError
   if name == "ModelConfig":
     from lca_jax.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+
     return ModelConfig
   raise AttributeError(f"module 'lca_jax' has no attribute {name!r}")

@@ -1,4 +1,5 @@
 """The small public API: ``lca_jax.load(path)`` -> ``Model`` with ``forward`` and ``generate``."""
+
 from __future__ import annotations
 
 import os
@@ -9,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lca_jax.errors import LoadError
 from lca_jax.interop import upstream
 from lca_jax.interop.errors import CheckpointError
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import ByteLM
-from lca_jax.errors import LoadError
 from lca_jax.train import checkpoint
 
 __all__ = ["LoadError", "Model", "load", "load_upstream"]
@@ -47,19 +48,26 @@ class Model:
     closes its group; None for a flat model). Bad ids raise ``DecodeError`` (a ValueError).
     """
     from lca_jax.decode.engine import DecodeError  # pylint: disable=g-import-not-at-top
+
     try:
       ids = np.asarray(ids)
     except (TypeError, ValueError):
-      raise DecodeError("forward expects integer ids of shape [T] or [B, T] (ragged rows?)") from None
+      raise DecodeError(
+        "forward expects integer ids of shape [T] or [B, T] (ragged rows?)"
+      ) from None
     if ids.ndim not in (1, 2) or not np.issubdtype(ids.dtype, np.integer):
-      raise DecodeError(f"forward expects integer ids of shape [T] or [B, T], got {ids.dtype} {ids.shape}")
+      raise DecodeError(
+        f"forward expects integer ids of shape [T] or [B, T], got {ids.dtype} {ids.shape}"
+      )
     if ids.size == 0:
       raise DecodeError("forward needs at least one byte")
     if ids.min() < 0 or ids.max() >= self.cfg.n_tokens:
       raise DecodeError(f"ids must lie in [0, {self.cfg.n_tokens}), got [{ids.min()}, {ids.max()}]")
     if ids.shape[-1] > self.cfg.max_seq_len:
-      raise DecodeError(f"forward got {ids.shape[-1]} ids per row, more than the model context "
-                        f"(max_seq_len {self.cfg.max_seq_len})")
+      raise DecodeError(
+        f"forward got {ids.shape[-1]} ids per row, more than the model context "
+        f"(max_seq_len {self.cfg.max_seq_len})"
+      )
     single = ids.ndim == 1
     out = self._forward(self.params, jnp.asarray(ids[None] if single else ids, jnp.int32))
     res = {}
@@ -75,24 +83,31 @@ class Model:
   def generate(self, prompts, **kw):
     """Decode continuations; see ``lca_jax.decode.engine.generate`` for the options."""
     from lca_jax.decode import engine  # pylint: disable=g-import-not-at-top
+
     return engine.generate(self, prompts, **kw)
 
 
 def _is_upstream_dir(path):
   return os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(
-      os.path.join(path, "model.safetensors"))
+    os.path.join(path, "model.safetensors")
+  )
 
 
 def load_upstream(path: str) -> Model:
   uc, sd = upstream.read_dir(path)
   cfg = upstream.config_from_upstream(uc)
   params = upstream.state_dict_to_params(sd, cfg, shapes=_param_shapes(cfg))
-  return Model(cfg, jax.tree_util.tree_map(jnp.asarray, params), source=path,
-               extras=upstream.extras_of(sd, cfg))
+  return Model(
+    cfg,
+    jax.tree_util.tree_map(jnp.asarray, params),
+    source=path,
+    extras=upstream.extras_of(sd, cfg),
+  )
 
 
 def _param_shapes(cfg: ModelConfig):
   from lca_jax.model.hierarchical import init_params  # pylint: disable=g-import-not-at-top
+
   abstract = jax.eval_shape(lambda: nn.unbox(init_params(cfg, jax.random.PRNGKey(0))))
   return jax.tree_util.tree_map(lambda x: x.shape, abstract)
 
@@ -117,5 +132,7 @@ def load(path: str, step: Optional[int] = None) -> Model:
     except CheckpointError as e:
       raise LoadError(str(e)) from e
     return Model(cfg, params, source=path, extras=extras)
-  raise LoadError(f"{path}: neither an upstream checkpoint (config.json + model.safetensors) "
-                  "nor an lca-train work directory with checkpoints")
+  raise LoadError(
+    f"{path}: neither an upstream checkpoint (config.json + model.safetensors) "
+    "nor an lca-train work directory with checkpoints"
+  )

@@ -1,4 +1,5 @@
 """Load ml-collections config files (``configs/NAME.py`` with ``get_config()``) with clear errors."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -34,17 +35,21 @@ def load_config(path: str) -> ml_collections.ConfigDict:
     where = f"{path}:{e.lineno}" if e.lineno else path
     raise ConfigFileError(f"{where}: syntax error in config file: {e.msg}") from None
   except Exception as e:  # pylint: disable=broad-except
-    raise ConfigFileError(f"{path}: the config file failed while loading: "
-                          f"{type(e).__name__}: {_one_line(e)}") from None
+    raise ConfigFileError(
+      f"{path}: the config file failed while loading: {type(e).__name__}: {_one_line(e)}"
+    ) from None
   if not callable(getattr(mod, "get_config", None)):
     raise ConfigFileError(f"{path}: no get_config() function")
   try:
     config = mod.get_config()
   except Exception as e:  # pylint: disable=broad-except
-    raise ConfigFileError(f"{path}: get_config() failed: {type(e).__name__}: {_one_line(e)}") from None
+    raise ConfigFileError(
+      f"{path}: get_config() failed: {type(e).__name__}: {_one_line(e)}"
+    ) from None
   if not isinstance(config, ml_collections.ConfigDict):
-    raise ConfigFileError(f"{path}: get_config() returned {type(config).__name__}, "
-                          "not an ml_collections.ConfigDict")
+    raise ConfigFileError(
+      f"{path}: get_config() returned {type(config).__name__}, not an ml_collections.ConfigDict"
+    )
   return config
 
 
@@ -61,9 +66,10 @@ def split_overrides(rest):
   while i < len(rest):
     arg = rest[i]
     if not arg.startswith("--config."):
-      raise ConfigFileError(f"unrecognized argument {arg!r} "
-                            "(overrides look like --config.train.steps=100)")
-    key = arg[len("--config."):]
+      raise ConfigFileError(
+        f"unrecognized argument {arg!r} (overrides look like --config.train.steps=100)"
+      )
+    key = arg[len("--config.") :]
     if "=" in key:
       out.append(key)
       i += 1
@@ -78,6 +84,7 @@ def split_overrides(rest):
 def apply_overrides(config: ml_collections.ConfigDict, overrides) -> ml_collections.ConfigDict:
   """Apply ``a.b=value`` strings; an unknown key is an error naming it."""
   import ast  # pylint: disable=g-import-not-at-top
+
   for item in overrides:
     if "=" not in item:
       raise ConfigFileError(f"override {item!r} is not of the form key=value")
@@ -89,7 +96,9 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides) -> ml_collecti
         raise ConfigFileError(f"unknown config key: {key} (no section {p!r})")
       node = node[p]
     if parts[-1] not in node:
-      raise ConfigFileError(f"unknown config key: {key}; known in this section: {', '.join(sorted(node.keys()))}")
+      raise ConfigFileError(
+        f"unknown config key: {key}; known in this section: {', '.join(sorted(node.keys()))}"
+      )
     old = node[parts[-1]]
     try:
       val = ast.literal_eval(raw)

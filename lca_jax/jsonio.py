@@ -5,6 +5,7 @@
 ``acceptance_rate`` in ntp mode, where no candidate is proposed), numpy scalars and arrays
 become plain numbers and lists, and ``allow_nan=False`` guarantees nothing slips through.
 """
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@
 The environment defaults are set before jax is imported anywhere: tests run on CPU with 8
 virtual host devices (so sharding tests can build meshes), unless the caller says otherwise.
 """
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -31,21 +32,34 @@ from lca_jax.model.hierarchical import init_params  # noqa: E402  pylint: disabl
 # (keyed by the program, compile options and jax version, so never stale; a few MB). No size
 # limit on purpose: jax's LRU eviction stops writing for good once any process without it has
 # written an entry. LCA_JAX_TEST_XLA_CACHE=0 turns it off; any other value is the directory.
-_cache = os.environ.get("LCA_JAX_TEST_XLA_CACHE",
-                        os.path.join(tempfile.gettempdir(), "lca_jax_test_xla_cache"))
+_cache = os.environ.get(
+  "LCA_JAX_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), "lca_jax_test_xla_cache")
+)
 if _cache not in ("", "0"):
   jax.config.update("jax_compilation_cache_dir", _cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 # Tiny training overrides shared by the training/checkpoint tests (one compiled train step).
 # decay_steps is fixed so that runs of different lengths share one schedule (and one compile).
-TRAIN_TINY = ["model.d_model=32", "model.d_inner=64", "model.n_heads=2", "model.n_kv_heads=2",
-              "model.n_lm=1", "model.n_mbp=1", "data.seq_len=32", "train.micro_batch_size=8",
-              "train.global_batch_bytes=512", "train.log_every=1", "train.eval_every=0",
-              "train.checkpoint_every=1000", "train.progress_bar=False",
-              "train.tensorboard=False", "optim.warmup_steps=2", "optim.lr=3e-3",
-              "optim.decay_steps=40"]
-
+TRAIN_TINY = [
+  "model.d_model=32",
+  "model.d_inner=64",
+  "model.n_heads=2",
+  "model.n_kv_heads=2",
+  "model.n_lm=1",
+  "model.n_mbp=1",
+  "data.seq_len=32",
+  "train.micro_batch_size=8",
+  "train.global_batch_bytes=512",
+  "train.log_every=1",
+  "train.eval_every=0",
+  "train.checkpoint_every=1000",
+  "train.progress_bar=False",
+  "train.tensorboard=False",
+  "optim.warmup_steps=2",
+  "optim.lr=3e-3",
+  "optim.decay_steps=40",
+]
 
 
 def host_params(state):
@@ -89,28 +103,33 @@ def assert_close_rel(actual, ref, rel=REL_REORDER, scale=None, err_msg=""):
     err = float(np.max(np.abs(a - r), initial=0.0))
     with open(_TOL_LOG, "a") as f:
       caller = sys._getframe(1)  # pylint: disable=protected-access
-      f.write(f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno} "
-              f"{os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]} "
-              f"{err / tol if tol else float(err > 0):.3g}\n")
-  np.testing.assert_allclose(a, r, rtol=0, atol=tol,
-                             err_msg=f"{err_msg} (tolerance {rel:g} x scale {scale:.4g})")
+      f.write(
+        f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno} "
+        f"{os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]} "
+        f"{err / tol if tol else float(err > 0):.3g}\n"
+      )
+  np.testing.assert_allclose(
+    a, r, rtol=0, atol=tol, err_msg=f"{err_msg} (tolerance {rel:g} x scale {scale:.4g})"
+  )
 
 
 REF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "reference")
 REF_NAMES = ("lca_small", "lca_gqa", "fxt_small")
 
 # Tiny dimensions shared by model tests: small enough that a jit compile takes ~1 s on CPU.
-TINY_DIMS = dict(d_model=32, d_inner=64, n_heads=2, n_kv_heads=1, vocab_size=384, n_tokens=261,
-                 dropout=0.0)
+TINY_DIMS = dict(
+  d_model=32, d_inner=64, n_heads=2, n_kv_heads=1, vocab_size=384, n_tokens=261, dropout=0.0
+)
 
 # Every member of the family at tiny size, built from ModelConfig directly.
 VARIANTS = {
-    "llamabyte": dict(kind="flat", n_enc=2, n_lm=0, n_dec=0, n_mbp=0),
-    "spacebyte": dict(n_enc=1, n_lm=1, n_dec=1, n_mbp=0, boundaries="spacebyte",
-                      spacebyte_max_group=5),
-    "fxt": dict(n_enc=1, n_lm=1, n_dec=1, n_mbp=0),
-    "mlp_mbp": dict(n_enc=1, n_lm=1, n_dec=1, n_mbp=0, n_mlp_mbp=2),
-    "lca_mbp": dict(n_enc=1, n_lm=1, n_dec=1, n_mbp=2),
+  "llamabyte": dict(kind="flat", n_enc=2, n_lm=0, n_dec=0, n_mbp=0),
+  "spacebyte": dict(
+    n_enc=1, n_lm=1, n_dec=1, n_mbp=0, boundaries="spacebyte", spacebyte_max_group=5
+  ),
+  "fxt": dict(n_enc=1, n_lm=1, n_dec=1, n_mbp=0),
+  "mlp_mbp": dict(n_enc=1, n_lm=1, n_dec=1, n_mbp=0, n_mlp_mbp=2),
+  "lca_mbp": dict(n_enc=1, n_lm=1, n_dec=1, n_mbp=2),
 }
 
 
@@ -160,7 +179,7 @@ def random_ids(rng: np.random.Generator, shape, text_like: bool = True) -> np.nd
   if not text_like:
     return rng.integers(3, 259, size=shape).astype(np.int32)
   alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz    ..,,ABC019\n", np.uint8)
-  return (alphabet[rng.integers(0, len(alphabet), size=shape)].astype(np.int32) + 3)
+  return alphabet[rng.integers(0, len(alphabet), size=shape)].astype(np.int32) + 3
 
 
 def segmented_layout(lengths, total: int):
@@ -170,8 +189,8 @@ def segmented_layout(lengths, total: int):
   pos = np.zeros(total, np.int32)
   at = 0
   for d, n in enumerate(lengths, start=1):
-    doc[at:at + n] = d
-    pos[at:at + n] = np.arange(n)
+    doc[at : at + n] = d
+    pos[at : at + n] = np.arange(n)
     at += n
   assert at <= total
   return doc, pos
@@ -218,6 +237,7 @@ def tiny_upstream_checkpoint(tmp_path_factory):
   """A checkpoint directory for the tool smoke tests: random params (``random_params``) of a tiny
   LCA-MBP model, one layer per stage, in the upstream layout (config.json + model.safetensors)."""
   from lca_jax.interop import upstream  # pylint: disable=g-import-not-at-top
+
   cfg = tiny_config("lca_mbp", n_mbp=1)
   path = str(tmp_path_factory.mktemp("tiny_upstream_checkpoint"))
   upstream.write_dir(path, random_params(cfg), cfg)

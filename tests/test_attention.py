@@ -8,14 +8,15 @@ error grows with that magnitude, not with the CPU). Then the whole model with
 gradients; the schedule skips what the masks exclude; and no compiled train step holds a
 [T, T] array.
 """
+
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import VARIANTS, random_ids, random_params, segmented_layout, tiny_config
+
 from lca_jax.model import masks
 from lca_jax.model.attention import blockwise_attention, schedule, tiles_visited
 from lca_jax.model.hierarchical import ByteLM
@@ -61,9 +62,9 @@ def _case(seed, t, block, h, kv, docs):
 
 
 CASES = {  # name: (T, block, H, KV, documents)
-    "gqa_docs": (45, 8, 4, 2, True),
-    "mqa_one_doc": (64, 16, 2, 1, False),
-    "mha_ragged_t": (37, 8, 2, 2, True),
+  "gqa_docs": (45, 8, 4, 2, True),
+  "mqa_one_doc": (64, 16, 2, 1, False),
+  "mha_ragged_t": (37, 8, 2, 2, True),
 }
 
 
@@ -95,8 +96,9 @@ def test_bfloat16_matches_float32_reference():
   bf = lambda x: x.astype(jnp.bfloat16)
   out = blockwise_attention(bf(q), bf(k), bf(v), lo, block_q=8, block_k=8)
   assert out.dtype == jnp.bfloat16
-  ref = masked_attention(bf(q).astype(jnp.float32), bf(k).astype(jnp.float32),
-                         bf(v).astype(jnp.float32), mask)
+  ref = masked_attention(
+    bf(q).astype(jnp.float32), bf(k).astype(jnp.float32), bf(v).astype(jnp.float32), mask
+  )
   assert_rel_close(out.astype(jnp.float32), ref, rel=2e-2, what="bf16")
 
 
@@ -121,9 +123,9 @@ def _model_batch(t):
   rng = np.random.default_rng(5)
   doc, pos = segmented_layout((t // 2, t // 4, t // 8), t)
   return {
-      "ids": jnp.asarray(random_ids(rng, (2, t))),
-      "segment_ids": jnp.asarray(np.stack([np.ones(t, np.int32), doc])),
-      "positions": jnp.asarray(np.stack([np.arange(t, dtype=np.int32), pos])),
+    "ids": jnp.asarray(random_ids(rng, (2, t))),
+    "segment_ids": jnp.asarray(np.stack([np.ones(t, np.int32), doc])),
+    "positions": jnp.asarray(np.stack([np.arange(t, dtype=np.int32), pos])),
   }
 
 
@@ -134,8 +136,14 @@ def _loss_fn(cfg, t):
   key = jax.random.PRNGKey(3)
 
   def loss_fn(params):
-    out = model.apply({"params": params}, batch["ids"], batch["segment_ids"], batch["positions"],
-                      train=True, rngs={"gumbel": key, "dropout": key})
+    out = model.apply(
+      {"params": params},
+      batch["ids"],
+      batch["segment_ids"],
+      batch["positions"],
+      train=True,
+      rngs={"gumbel": key, "dropout": key},
+    )
     return compute_loss(cfg, out, batch, (1.0, 1.0, 10.0))[0], out
 
   return loss_fn
@@ -173,8 +181,9 @@ def test_no_t_by_t_buffer_in_train_step(variant, impl):
   """The compiled loss + gradient of every variant holds no [T, T] array with the blockwise
   path; the dense path does (so the check can fail)."""
   t = 400  # more than the vocabulary (384) and the latent capacity, so only T x T matches
-  cfg = tiny_config(variant, attention_impl=impl, attn_block_q=32, attn_block_k=32,
-                    lca_block_q=16, lca_lookback=16)
+  cfg = tiny_config(
+    variant, attention_impl=impl, attn_block_q=32, attn_block_k=32, lca_block_q=16, lca_lookback=16
+  )
   grad_fn = jax.grad(lambda p: _loss_fn(cfg, t)(p)[0])
   params = random_params(cfg)
   text = jax.jit(grad_fn).lower(params).compile().as_text()
@@ -192,11 +201,13 @@ def test_parallel_loop_nests_same_result(case, parallel):
   t, block, h, kv, docs = CASES[case]
   q, k, v, doc, grp = _case(len(case), t, block, h, kv, docs)
   lo = masks.lca_key_start(grp, doc)
-  call = lambda p: lambda q, k, v: blockwise_attention(q, k, v, lo, block_q=block, block_k=block,
-                                                       parallel=p)
+  call = lambda p: (
+    lambda q, k, v: blockwise_attention(q, k, v, lo, block_q=block, block_k=block, parallel=p)
+  )
   w = jnp.asarray(np.random.default_rng(2).standard_normal(q.shape), jnp.float32)
   run = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))(
-      q, k, v)
+    q, k, v
+  )
   (l1, g1), (lp, gp) = run(call(1)), run(call(parallel))
   assert_rel_close(lp, l1, what="loss")
   for name, a, b in zip("qkv", gp, g1):

@@ -7,6 +7,7 @@ generation stopped, skipped-record counts, strict JSON, and an export after an i
 gives back every tensor of the source bit for bit. The CLIs are called in-process
 (``main(argv)``); only two tests compile anything (one decoder, one bpb forward, tiny model).
 """
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -22,8 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-import lca_jax  # noqa: E402
 from conftest import REF_DIR, REF_NAMES, random_params, tiny_config  # noqa: E402
+
+import lca_jax  # noqa: E402
 from lca_jax import configs_io, jsonio, vocab  # noqa: E402
 from lca_jax.api import Model  # noqa: E402
 from lca_jax.cli import convert as convert_cli  # noqa: E402
@@ -45,6 +47,7 @@ CTX = 64  # max_seq_len of the tiny checkpoint
 def _strict_loads(s: str):
   def no_constant(name):
     raise AssertionError(f"not strict JSON: {name}")
+
   return json.loads(s, parse_constant=no_constant)
 
 
@@ -77,8 +80,18 @@ def test_sample_prompt_file_with_invalid_utf8_is_fed_as_raw_bytes(tiny_dir, tmp_
   assert 32 < len(line) < CTX - 4
   f = tmp_path / "prompts.txt"
   f.write_bytes(line + b"\r\n\r\n")  # CRLF, a blank line (skipped)
-  rc = sample_cli.main(["--checkpoint", tiny_dir, "--prompt-file", str(f), "--max-bytes", "4",
-                        "--ignore-eos", "--json"])
+  rc = sample_cli.main(
+    [
+      "--checkpoint",
+      tiny_dir,
+      "--prompt-file",
+      str(f),
+      "--max-bytes",
+      "4",
+      "--ignore-eos",
+      "--json",
+    ]
+  )
   cap = capsys.readouterr()
   assert rc == 0, cap.err
   recs = [_strict_loads(x) for x in cap.out.splitlines() if x.strip()]
@@ -95,8 +108,9 @@ def test_prompt_near_the_context_says_why_it_stopped(tiny_dir, capsys):
   prompt = "x" * (CTX - 4)
   res = model.generate(prompt, max_bytes=16, ignore_eos=True)
   assert res.stop_reasons == ["context"] and res.budget == 4 and res.ids[0].size == 4
-  rc = sample_cli.main(["--checkpoint", tiny_dir, "--prompt", prompt, "--max-bytes", "16",
-                        "--ignore-eos"])
+  rc = sample_cli.main(
+    ["--checkpoint", tiny_dir, "--prompt", prompt, "--max-bytes", "16", "--ignore-eos"]
+  )
   err = capsys.readouterr().err
   assert rc == 0, err
   assert "stopped: context" in err and "left 4 of --max-bytes 16" in err, err
@@ -104,7 +118,9 @@ def test_prompt_near_the_context_says_why_it_stopped(tiny_dir, capsys):
     model.generate("x" * CTX)
 
 
-@pytest.mark.parametrize("argv,words", [
+@pytest.mark.parametrize(
+  "argv,words",
+  [
     (["--tau", "2"], ["--tau", "[0, 1]"]),
     (["--tau", "nan"], ["--tau", "finite"]),
     (["--top-k", "-5"], ["--top-k", ">= 0"]),
@@ -112,7 +128,8 @@ def test_prompt_near_the_context_says_why_it_stopped(tiny_dir, capsys):
     (["--temperature", "nan"], ["--temperature", "finite"]),
     (["--max-bytes", "0"], ["--max-bytes", ">= 1"]),
     (["--top-p", "0"], ["--top-p"]),
-])
+  ],
+)
 def test_sample_bad_options(tiny_dir, capsys, argv, words):
   rc = sample_cli.main(["--checkpoint", tiny_dir, "--prompt", "ab"] + argv)
   assert rc == 2
@@ -124,14 +141,17 @@ def test_sample_unreadable_prompt_file(tiny_dir, tmp_path, capsys):
   _one_line_error(capsys.readouterr().err, "cannot read prompt file")
 
 
-@pytest.mark.parametrize("override,words", [
+@pytest.mark.parametrize(
+  "override,words",
+  [
     ("--config.data.format=bogus", ["data.format='bogus'", "parquet"]),
     ("--config.data.packing=bogus", ["data.packing='bogus'", "concat, segmented"]),
     ("--config.train.steps=-5", ["train.steps", "-5"]),
     ("--config.train.steps=0", ["train.steps must be >= 1", "got 0"]),
     ("--config.optim.lr=-1", ["optim.lr", "> 0"]),
     ("--config.optim.lr=nan", ["optim.lr"]),
-])
+  ],
+)
 def test_train_bad_config_values(tmp_path, capsys, override, words):
   wd = tmp_path / "wd"
   rc = train_cli.main(["--config", TINY_CONFIG, "--workdir", str(wd), override])
@@ -142,21 +162,27 @@ def test_train_bad_config_values(tmp_path, capsys, override, words):
 
 def test_train_api_rejects_bad_values_too():
   from lca_jax.train import inputs  # pylint: disable=g-import-not-at-top
-  c = configs_io.apply_overrides(configs_io.load_config(TINY_CONFIG),
-                                 ["data.format=bogus", "train.steps=-1"])
+
+  c = configs_io.apply_overrides(
+    configs_io.load_config(TINY_CONFIG), ["data.format=bogus", "train.steps=-1"]
+  )
   with pytest.raises(run_config.RunConfigError, match="data.format.*train.steps"):
     inputs.check_data_files(c)
   # the API keeps train.steps=0 (the initial state, e.g. to check an init_from)
-  run_config.validate_run_config(configs_io.apply_overrides(
-      configs_io.load_config(TINY_CONFIG), ["train.steps=0"]))
+  run_config.validate_run_config(
+    configs_io.apply_overrides(configs_io.load_config(TINY_CONFIG), ["train.steps=0"])
+  )
 
 
-@pytest.mark.parametrize("text,words", [
+@pytest.mark.parametrize(
+  "text,words",
+  [
     ("def get_config(:\n  pass\n", ["bad.py:1", "syntax error"]),
     ("def get_config():\n  return 1 / 0\n", ["get_config() failed", "ZeroDivisionError"]),
     ("import no_such_module_here\n", ["failed while loading", "ModuleNotFoundError"]),
     ("x = 1\n", ["no get_config()"]),
-])
+  ],
+)
 def test_config_file_that_does_not_load(tmp_path, capsys, text, words):
   path = tmp_path / "configs" / "bad.py"
   path.parent.mkdir()
@@ -166,28 +192,52 @@ def test_config_file_that_does_not_load(tmp_path, capsys, text, words):
   assert train_cli.main(["--config", str(path), "--workdir", str(tmp_path / "wd")]) == 2
   _one_line_error(capsys.readouterr().err, *words)
   out = str(tmp_path / "imported")
-  assert convert_cli.main(["from-torch", "--torch-dir", os.path.join(REF_DIR, "lca_small"),
-                           "--out", out, "--config", str(path)]) == 2
+  assert (
+    convert_cli.main(
+      [
+        "from-torch",
+        "--torch-dir",
+        os.path.join(REF_DIR, "lca_small"),
+        "--out",
+        out,
+        "--config",
+        str(path),
+      ]
+    )
+    == 2
+  )
   _one_line_error(capsys.readouterr().err, *words)
 
 
 def test_convert_from_torch_rejects_a_bad_run_config(tmp_path, capsys):
-  rc = convert_cli.main(["from-torch", "--torch-dir", os.path.join(REF_DIR, "lca_small"),
-                         "--out", str(tmp_path / "o"), "--config", TINY_CONFIG,
-                         "--config.data.packing=bogus"])
+  rc = convert_cli.main(
+    [
+      "from-torch",
+      "--torch-dir",
+      os.path.join(REF_DIR, "lca_small"),
+      "--out",
+      str(tmp_path / "o"),
+      "--config",
+      TINY_CONFIG,
+      "--config.data.packing=bogus",
+    ]
+  )
   assert rc == 2
   _one_line_error(capsys.readouterr().err, "data.packing")
   assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("argv,words", [
+@pytest.mark.parametrize(
+  "argv,words",
+  [
     (["--batch-size", "0"], ["--batch-size must be >= 1"]),
     (["--format", "bogus"], ["unknown --format 'bogus'"]),
     (["--seq-len", "0"], ["--seq-len must be >= 1"]),  # no longer silently the model's 4096
     (["--seq-len", str(CTX + 1)], ["longer than the model context"]),
     (["--max-batches", "0"], ["--max-batches"]),
     (["--sft-format", "bogus"], ["--sft-format"]),
-])
+  ],
+)
 def test_eval_bpb_bad_arguments(tiny_dir, tmp_path, capsys, argv, words):
   data = tmp_path / "d.txt"
   data.write_text("hello world\n\nsecond document\n")
@@ -200,8 +250,21 @@ def test_eval_bpb_bad_arguments(tiny_dir, tmp_path, capsys, argv, words):
 def test_eval_bpb_without_a_usable_document(tiny_dir, tmp_path, capsys, content):
   data = tmp_path / "bad.jsonl"
   data.write_bytes(content)
-  rc = eval_cli.main(["bpb", "--checkpoint", tiny_dir, "--data", str(data), "--seq-len", "32",
-                      "--batch-size", "2", "--no-progress", "--json"])
+  rc = eval_cli.main(
+    [
+      "bpb",
+      "--checkpoint",
+      tiny_dir,
+      "--data",
+      str(data),
+      "--seq-len",
+      "32",
+      "--batch-size",
+      "2",
+      "--no-progress",
+      "--json",
+    ]
+  )
   cap = capsys.readouterr()
   assert rc == 2 and cap.out == ""
   _one_line_error(cap.err, "lca-eval: error:", str(data))
@@ -211,8 +274,21 @@ def test_eval_bpb_json_counts_skipped_records_and_is_strict(tiny_dir, tmp_path, 
   data = tmp_path / "mixed.jsonl"
   good = [json.dumps({"text": f"document number {i}, some words."}) for i in range(3)]
   data.write_text("\n".join([good[0], "{broken", good[1], '{"text": 5}', good[2]]) + "\n")
-  rc = eval_cli.main(["bpb", "--checkpoint", tiny_dir, "--data", str(data), "--seq-len", "32",
-                      "--batch-size", "2", "--no-progress", "--json"])
+  rc = eval_cli.main(
+    [
+      "bpb",
+      "--checkpoint",
+      tiny_dir,
+      "--data",
+      str(data),
+      "--seq-len",
+      "32",
+      "--batch-size",
+      "2",
+      "--no-progress",
+      "--json",
+    ]
+  )
   cap = capsys.readouterr()
   assert rc == 0, cap.err
   res = _strict_loads(cap.out)
@@ -223,14 +299,37 @@ def test_eval_bpb_json_counts_skipped_records_and_is_strict(tiny_dir, tmp_path, 
 
 def test_eval_tasks_json_and_out_are_strict(tiny_dir, tmp_path, capsys, monkeypatch):
   from lca_jax.eval import tasks  # pylint: disable=g-import-not-at-top
+
   monkeypatch.setattr(tasks, "load_examples", lambda *a, **k: ["example"])
-  fake = {"task": "qa", "mode": "ntp", "tau": None, "n": 1, "metric": "f1", "quality": 1.0,
-          "acceptance_rate": float("nan"), "bytes_per_s": float("inf"), "outputs": ["x"],
-          "np": np.float32("nan")}
+  fake = {
+    "task": "qa",
+    "mode": "ntp",
+    "tau": None,
+    "n": 1,
+    "metric": "f1",
+    "quality": 1.0,
+    "acceptance_rate": float("nan"),
+    "bytes_per_s": float("inf"),
+    "outputs": ["x"],
+    "np": np.float32("nan"),
+  }
   monkeypatch.setattr(tasks, "run_task", lambda *a, **k: dict(fake))
   out = tmp_path / "r.json"
-  rc = eval_cli.main(["tasks", "--checkpoint", tiny_dir, "--task", "qa", "--data", "unused.jsonl",
-                      "--json", "--out", str(out), "--no-progress"])
+  rc = eval_cli.main(
+    [
+      "tasks",
+      "--checkpoint",
+      tiny_dir,
+      "--task",
+      "qa",
+      "--data",
+      "unused.jsonl",
+      "--json",
+      "--out",
+      str(out),
+      "--no-progress",
+    ]
+  )
   cap = capsys.readouterr()
   assert rc == 0, cap.err
   res = _strict_loads(cap.out)
@@ -238,32 +337,75 @@ def test_eval_tasks_json_and_out_are_strict(tiny_dir, tmp_path, capsys, monkeypa
   assert "outputs" not in res
   saved = _strict_loads(out.read_text())
   assert saved["acceptance_rate"] is None and saved["outputs"] == ["x"]
-  assert jsonio.dumps({"a": float("nan"), "b": [np.int64(3), float("-inf")]}) == \
-      '{"a": null, "b": [3, null]}'
+  assert (
+    jsonio.dumps({"a": float("nan"), "b": [np.int64(3), float("-inf")]})
+    == '{"a": null, "b": [3, null]}'
+  )
 
 
 def test_eval_out_paths(tiny_dir, tmp_path, capsys):
   taken = tmp_path / "taken.json"
   taken.write_text("{}")
-  rc = eval_cli.main(["sweep", "--checkpoints", tiny_dir, "--task", "translation", "--data",
-                      str(tmp_path / "none.jsonl"), "--out", str(taken), "--no-progress"])
+  rc = eval_cli.main(
+    [
+      "sweep",
+      "--checkpoints",
+      tiny_dir,
+      "--task",
+      "translation",
+      "--data",
+      str(tmp_path / "none.jsonl"),
+      "--out",
+      str(taken),
+      "--no-progress",
+    ]
+  )
   assert rc == 2
   _one_line_error(capsys.readouterr().err, "is not a directory")
   assert taken.read_text() == "{}"
-  rc = eval_cli.main(["tasks", "--checkpoint", tiny_dir, "--task", "qa", "--data",
-                      str(tmp_path / "none.jsonl"), "--out", str(tmp_path), "--no-progress"])
+  rc = eval_cli.main(
+    [
+      "tasks",
+      "--checkpoint",
+      tiny_dir,
+      "--task",
+      "qa",
+      "--data",
+      str(tmp_path / "none.jsonl"),
+      "--out",
+      str(tmp_path),
+      "--no-progress",
+    ]
+  )
   assert rc == 2
   _one_line_error(capsys.readouterr().err, "is a directory")
-  for argv, word in ((["--batch-size", "0"], "--batch-size"), (["--tau", "2"], "tau"),
-                     (["--limit", "0"], "--limit"), (["--max-bytes", "0"], "--max-bytes")):
-    rc = eval_cli.main(["tasks", "--checkpoint", tiny_dir, "--task", "qa", "--data",
-                        str(tmp_path / "none.jsonl"), "--no-progress"] + argv)
+  for argv, word in (
+    (["--batch-size", "0"], "--batch-size"),
+    (["--tau", "2"], "tau"),
+    (["--limit", "0"], "--limit"),
+    (["--max-bytes", "0"], "--max-bytes"),
+  ):
+    rc = eval_cli.main(
+      [
+        "tasks",
+        "--checkpoint",
+        tiny_dir,
+        "--task",
+        "qa",
+        "--data",
+        str(tmp_path / "none.jsonl"),
+        "--no-progress",
+      ]
+      + argv
+    )
     assert rc == 2
     _one_line_error(capsys.readouterr().err, word)
 
 
 # ---- Python API: DecodeError naming the argument, before anything is compiled ---------------
-@pytest.mark.parametrize("kw,match", [
+@pytest.mark.parametrize(
+  "kw,match",
+  [
     (dict(max_bytes=5.5), "max_bytes must be an integer"),
     (dict(max_bytes="5"), "max_bytes must be an integer"),
     (dict(max_bytes=0), "max_bytes must be >= 1"),
@@ -276,7 +418,8 @@ def test_eval_out_paths(tiny_dir, tmp_path, capsys):
     (dict(mode="threshold", n=1000), "n must be at most 64"),
     (dict(seed=1.5), "seed must be an integer"),
     (dict(mode=None), "unknown mode"),
-])
+  ],
+)
 def test_generate_rejects_bad_arguments(kw, match):
   with pytest.raises(DecodeError, match=match):
     _api_model().generate("ab", **kw)
@@ -330,8 +473,10 @@ def _assert_same_tensors(src_dir, out_dir):
   for k in src:
     assert got[k].dtype == src[k].dtype and got[k].shape == src[k].shape, k
     np.testing.assert_array_equal(_bits(got[k]), _bits(src[k]), err_msg=k)
-  with open(os.path.join(src_dir, "config.json")) as f, \
-      open(os.path.join(out_dir, "config.json")) as g:
+  with (
+    open(os.path.join(src_dir, "config.json")) as f,
+    open(os.path.join(out_dir, "config.json")) as g,
+  ):
     assert json.load(g) == json.load(f)
 
 

@@ -1,4 +1,5 @@
 """Checkpoints: restore onto another mesh, lca_jax.load(workdir), init_from, config checks."""
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -13,12 +14,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-import lca_jax  # noqa: E402
 from conftest import TRAIN_TINY  # noqa: E402
+
+import lca_jax  # noqa: E402
 from lca_jax import configs_io  # noqa: E402
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
-from lca_jax.train import loop  # noqa: E402
-from lca_jax.train import run_config  # noqa: E402
+from lca_jax.train import (
+  loop,  # noqa: E402
+  run_config,  # noqa: E402
+)
 from lca_jax.train.errors import TrainError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -38,8 +42,11 @@ def saved(tmp_path_factory, fast_compile):
   del fast_compile
   wd = str(tmp_path_factory.mktemp("saved"))
   res = loop.train_and_evaluate(tiny_config("train.steps=2", "mesh.data=8"), wd)
-  return dict(workdir=wd, params=jax.device_get(res.state.params),
-              opt_state=jax.device_get(res.state.opt_state))
+  return dict(
+    workdir=wd,
+    params=jax.device_get(res.state.params),
+    opt_state=jax.device_get(res.state.opt_state),
+  )
 
 
 def test_restore_onto_smaller_mesh(saved):
@@ -54,11 +61,15 @@ def test_restore_onto_smaller_mesh(saved):
   leaf = state.params["encoder"]["layer_0"]["mlp"]["up_proj"]["kernel"]
   assert set(leaf.sharding.device_set) == set(devs)
   assert tuple(leaf.sharding.spec)[0] == "fsdp"
-  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(state.params)),
-                  jax.tree_util.tree_leaves(saved["params"])):
+  for a, b in zip(
+    jax.tree_util.tree_leaves(jax.device_get(state.params)),
+    jax.tree_util.tree_leaves(saved["params"]),
+  ):
     np.testing.assert_array_equal(a, b)
-  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(state.opt_state)),
-                  jax.tree_util.tree_leaves(saved["opt_state"])):
+  for a, b in zip(
+    jax.tree_util.tree_leaves(jax.device_get(state.opt_state)),
+    jax.tree_util.tree_leaves(saved["opt_state"]),
+  ):
     np.testing.assert_array_equal(a, b)
 
 
@@ -66,16 +77,20 @@ def test_resume_on_other_mesh_continues(saved, tmp_path):
   """train_and_evaluate accepts the changed mesh and resumes onto 4 devices (no steps left,
   so nothing is compiled)."""
   import shutil
+
   wd = str(tmp_path / "copy")
   shutil.copytree(saved["workdir"], wd)
   devs = jax.devices()[:4]
-  res = loop.train_and_evaluate(tiny_config("train.steps=2", "mesh.data=2", "mesh.fsdp=2"), wd,
-                                devices=devs)
+  res = loop.train_and_evaluate(
+    tiny_config("train.steps=2", "mesh.data=2", "mesh.fsdp=2"), wd, devices=devs
+  )
   assert res.step == 2 and not res.stopped
   leaf = res.state.params["decoder"]["layer_0"]["attn"]["q_proj"]["kernel"]
   assert set(leaf.sharding.device_set) == set(devs)
-  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(res.state.params)),
-                  jax.tree_util.tree_leaves(saved["params"])):
+  for a, b in zip(
+    jax.tree_util.tree_leaves(jax.device_get(res.state.params)),
+    jax.tree_util.tree_leaves(saved["params"]),
+  ):
     np.testing.assert_array_equal(a, b)
 
 
@@ -83,7 +98,9 @@ def test_load_workdir_for_inference(saved):
   assert ckpt_lib.is_workdir(saved["workdir"])
   model = lca_jax.load(saved["workdir"])
   assert model.cfg.d_model == 32
-  for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(saved["params"])):
+  for a, b in zip(
+    jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(saved["params"])
+  ):
     assert a.dtype == np.float32 and len(a.sharding.device_set) == 1
     np.testing.assert_array_equal(np.asarray(a), b)
   out = model.forward(np.arange(3, 40, dtype=np.int32))
@@ -94,15 +111,19 @@ def test_load_workdir_for_inference(saved):
 
 def test_init_from_workdir(saved, tmp_path):
   res = loop.train_and_evaluate(
-      tiny_config("train.steps=0", f"train.init_from={saved['workdir']}"), str(tmp_path))
+    tiny_config("train.steps=0", f"train.init_from={saved['workdir']}"), str(tmp_path)
+  )
   assert res.step == 0
-  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(res.state.params)),
-                  jax.tree_util.tree_leaves(saved["params"])):
+  for a, b in zip(
+    jax.tree_util.tree_leaves(jax.device_get(res.state.params)),
+    jax.tree_util.tree_leaves(saved["params"]),
+  ):
     np.testing.assert_array_equal(a, b)
   with pytest.raises(TrainError, match="does not match"):
-    loop.train_and_evaluate(tiny_config("train.steps=0", "model.d_inner=96",
-                                        f"train.init_from={saved['workdir']}"),
-                            str(tmp_path / "other"))
+    loop.train_and_evaluate(
+      tiny_config("train.steps=0", "model.d_inner=96", f"train.init_from={saved['workdir']}"),
+      str(tmp_path / "other"),
+    )
 
 
 def test_config_diff_rules():
@@ -113,11 +134,14 @@ def test_config_diff_rules():
 
 def test_init_from_upstream_layout(tmp_path):
   import ml_collections
+
   src = os.path.join(ROOT, "tests", "data", "reference", "lca_small")
   ref = lca_jax.load(src)
   cfg = tiny_config("train.steps=0", f"train.init_from={src}")
   cfg.model = ml_collections.ConfigDict(ref.cfg.to_dict())
   res = loop.train_and_evaluate(cfg, str(tmp_path))
-  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(res.state.params)),
-                  jax.tree_util.tree_leaves(ref.params)):
+  for a, b in zip(
+    jax.tree_util.tree_leaves(jax.device_get(res.state.params)),
+    jax.tree_util.tree_leaves(ref.params),
+  ):
     np.testing.assert_array_equal(a, np.asarray(b))

@@ -5,6 +5,7 @@ imported reference directories reproduce their vectors through a work directory,
 reference-shaped model have the reference's names/shapes/config, bf16 works, and bad inputs
 give one-line errors (exit status 2).
 """
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -23,9 +24,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-import lca_jax  # noqa: E402
 from conftest import (  # noqa: E402
-    REF_DIR, REF_NAMES, REL_IMPL, VARIANTS, assert_close_rel, random_ids, tiny_config)
+  REF_DIR,
+  REF_NAMES,
+  REL_IMPL,
+  VARIANTS,
+  assert_close_rel,
+  random_ids,
+  tiny_config,
+)
+
+import lca_jax  # noqa: E402
 from lca_jax.api import Model  # noqa: E402
 from lca_jax.cli import convert as cli  # noqa: E402
 from lca_jax.interop import convert, safetensors_io, upstream  # noqa: E402
@@ -57,8 +66,10 @@ def random_params(cfg, seed=0, bp_gain=3.0):
     else:  # embedding, null_group
       x = rng.standard_normal(shape)
     return x.astype(np.float32)
-  return jax.tree_util.tree_map_with_path(make, upstream.param_shapes(cfg),
-                                          is_leaf=lambda x: isinstance(x, tuple))
+
+  return jax.tree_util.tree_map_with_path(
+    make, upstream.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)
+  )
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,14 +86,15 @@ def _sharded(params):
   def put(a):
     spec = P("x") if a.shape[0] % len(devs) == 0 else P()
     return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
+
   return jax.tree_util.tree_map(put, params)
 
 
 def _real_rows(cfg, params):
   """What the upstream layout can hold: the padding rows/columns of the embedding/head zeroed."""
   out = jax.tree_util.tree_map(lambda a: np.array(a, np.float32), params)
-  out["token_embedding"]["embedding"][cfg.n_tokens:] = 0
-  out["head"]["kernel"][:, cfg.n_tokens:] = 0
+  out["token_embedding"]["embedding"][cfg.n_tokens :] = 0
+  out["head"]["kernel"][:, cfg.n_tokens :] = 0
   return out
 
 
@@ -100,7 +112,9 @@ def exported(tmp_path_factory):
 
 
 def _leaves(tree):
-  return {jax.tree_util.keystr(k): np.asarray(x) for k, x in jax.tree_util.tree_leaves_with_path(tree)}
+  return {
+    jax.tree_util.keystr(k): np.asarray(x) for k, x in jax.tree_util.tree_leaves_with_path(tree)
+  }
 
 
 @pytest.mark.parametrize("variant", NAMES)
@@ -122,6 +136,7 @@ def test_round_trip_identical(exported, variant):
 def test_torch_module_matches_jax(exported, variant):
   torch = pytest.importorskip("torch")
   from lca_jax.interop.torch_model import load_torch_model  # pylint: disable=g-import-not-at-top
+
   cfg = _cfg(variant)
   ids = random_ids(np.random.default_rng(5), (2, 24))
   ours = Model(cfg, _params(variant)).forward(ids)
@@ -175,14 +190,17 @@ def test_export_has_reference_layout(tmp_path, name):
 def test_bf16_export_loads_back(tmp_path):
   torch = pytest.importorskip("torch")
   from safetensors.torch import load_file  # pylint: disable=g-import-not-at-top
+
   from lca_jax.interop.torch_model import load_torch_model  # pylint: disable=g-import-not-at-top
+
   cfg, params = _cfg("lca_mbp"), _params("lca_mbp")
   out = convert.export_params(_sharded(params), cfg, str(tmp_path / "bf16"), "bfloat16")
   tsd = load_file(os.path.join(out, "model.safetensors"))
   assert tsd["blocks.3.1.attn.q_proj.weight"].dtype == torch.bfloat16
   assert tsd["rotary_embd.inv_freq"].dtype == torch.float32
   rounded = jax.tree_util.tree_map(
-      lambda a: np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32), params)
+    lambda a: np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32), params
+  )
   cfg2, back, _ = convert.read_torch_dir(out)
   assert cfg2 == cfg
   want, got = _leaves(_real_rows(cfg, rounded)), _leaves(back)
@@ -191,8 +209,9 @@ def test_bf16_export_loads_back(tmp_path):
   # the bf16 file is what torch itself would write: same bits as torch's own rounding
   q = np.asarray(params["mbp"]["layer_1"]["attn"]["q_proj"]["kernel"]).T
   np.testing.assert_array_equal(
-      tsd["blocks.3.1.attn.q_proj.weight"].view(torch.int16).numpy(),
-      torch.tensor(np.ascontiguousarray(q)).to(torch.bfloat16).view(torch.int16).numpy())
+    tsd["blocks.3.1.attn.q_proj.weight"].view(torch.int16).numpy(),
+    torch.tensor(np.ascontiguousarray(q)).to(torch.bfloat16).view(torch.int16).numpy(),
+  )
   m = load_torch_model(out)  # strict load_state_dict into a float32 module
   res = m.forward(torch.tensor(random_ids(np.random.default_rng(0), (1, 12)), dtype=torch.long))
   assert np.isfinite(res["mbp_logits"].numpy()).all()
@@ -211,8 +230,9 @@ def test_cli_round_trip_is_byte_identical(exported, tmp_path, capsys):
   assert cli.main(["to-torch", "--checkpoint", wd, "--out", back]) == 2
   err = capsys.readouterr().err
   assert "not empty" in err and "--force" in err and len(err.strip().splitlines()) == 1
-  assert cli.main(["to-torch", "--checkpoint", wd, "--out", back, "--force",
-                   "--dtype", "bfloat16"]) == 0
+  assert (
+    cli.main(["to-torch", "--checkpoint", wd, "--out", back, "--force", "--dtype", "bfloat16"]) == 0
+  )
   assert cli.main(["from-torch", "--torch-dir", back, "--out", wd]) == 2
   assert cli.main(["from-torch", "--torch-dir", back, "--out", wd, "--force"]) == 0
   capsys.readouterr()
@@ -237,12 +257,15 @@ def _edited_ref(tmp_path, drop=(), **changes):
   return str(d)
 
 
-@pytest.mark.parametrize("changes,drop,needles", [
+@pytest.mark.parametrize(
+  "changes,drop,needles",
+  [
     (dict(lm_inter_dim=96), (), ["blocks.0.0.mlp.gate_proj.weight", "(128, 64)", "(96, 64)"]),
     ({}, ("model.safetensors",), ["missing model.safetensors"]),
     (dict(boundaries_type="entropy"), (), ["unknown boundaries_type 'entropy'"]),
     (dict(model_config="[1, (2,), 1, 0]"), (), ["does not use", "blocks.3.0."]),
-])
+  ],
+)
 def test_cli_errors_one_line(tmp_path, capsys, changes, drop, needles):
   src = _edited_ref(tmp_path, drop, **changes)
   assert cli.main(["from-torch", "--torch-dir", src, "--out", str(tmp_path / "o")]) == 2
@@ -254,33 +277,53 @@ def test_cli_errors_one_line(tmp_path, capsys, changes, drop, needles):
 
 
 def test_cli_bad_arguments(tmp_path, capsys):
-  assert cli.main(["to-torch", "--checkpoint", str(tmp_path / "nope"), "--out",
-                   str(tmp_path / "o")]) == 2
+  assert (
+    cli.main(["to-torch", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    == 2
+  )
   assert "does not exist" in capsys.readouterr().err
-  assert cli.main(["to-torch", "--checkpoint", REF_DIR, "--out", str(tmp_path / "o"),
-                   "--dtype", "float16"]) == 2
+  assert (
+    cli.main(
+      ["to-torch", "--checkpoint", REF_DIR, "--out", str(tmp_path / "o"), "--dtype", "float16"]
+    )
+    == 2
+  )
   assert "float16" in capsys.readouterr().err
   assert cli.main(["sideways"]) == 2
   with pytest.raises(convert.ConvertError, match="is the source"):
-    convert.to_torch(os.path.join(REF_DIR, "lca_small"), os.path.join(REF_DIR, "lca_small"),
-                     force=True)
+    convert.to_torch(
+      os.path.join(REF_DIR, "lca_small"), os.path.join(REF_DIR, "lca_small"), force=True
+    )
 
 
 # ---- lca-train: fine-tune (init_from) and resume from an imported directory ------------------
-TRAIN = ["model.d_model=32", "model.d_inner=64", "model.n_heads=2", "model.n_kv_heads=1",
-         "model.n_lm=1", "model.n_mbp=1", "data.seq_len=32", "train.micro_batch_size=8",
-         "train.global_batch_bytes=256", "train.eval_every=0", "train.progress_bar=False",
-         "train.tensorboard=False", "train.steps=0"]
+TRAIN = [
+  "model.d_model=32",
+  "model.d_inner=64",
+  "model.n_heads=2",
+  "model.n_kv_heads=1",
+  "model.n_lm=1",
+  "model.n_mbp=1",
+  "data.seq_len=32",
+  "train.micro_batch_size=8",
+  "train.global_batch_bytes=256",
+  "train.eval_every=0",
+  "train.progress_bar=False",
+  "train.tensorboard=False",
+  "train.steps=0",
+]
 
 
 def _train_config(*overrides):
   from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
+
   c = configs_io.load_config(os.path.join(ROOT, "configs", "tiny_lca_mbp.py"))
   return configs_io.apply_overrides(c, TRAIN + list(overrides))
 
 
 def test_lca_train_init_from_and_resume(tmp_path):
   from lca_jax.train import loop  # pylint: disable=g-import-not-at-top
+
   config = _train_config()
   cfg = loop.model_config_of(config)
   params = random_params(cfg, seed=4)

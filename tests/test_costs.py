@@ -1,10 +1,11 @@
 """The cost model behind tools/bench_train.py (lca_jax/train/costs.py)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import tiny_config
+
 from lca_jax.model import masks
 from lca_jax.model.attention import blockwise_attention
 from lca_jax.train import costs
@@ -57,18 +58,22 @@ def test_loop_correction_counts_every_tile():
   per_tile = 2.0 * cfg.n_heads * 16 * 16 * cfg.head_dim * 7
   assert corr["flops"] == pytest.approx(cfg.n_enc * 9 * per_tile)
   assert costs.attention_loop_correction(cfg.replace(attention_impl="dense"), doc, plan, 1) == {
-      "tiles": {}, "flops": 0.0}
+    "tiles": {},
+    "flops": 0.0,
+  }
 
 
 def test_buffers_skip_dense_layer_activations_only():
-  hlo = "\n".join([
+  hlo = "\n".join(
+    [
       '  %a = f32[4096,4096]{1,0} dot(%x, %w), metadata={op_name="jit(step)/ByteLM.encode/'
       'encoder/layer_0/mlp/gate_proj/dot_general"}',
       '  %b = f32[1,4,4096,4096]{3,2,1,0} dot(%q, %k), metadata={op_name="jit(step)/ByteLM.encode/'
       'encoder/layer_0/attn/dot_general"}',
       '  %c = f32[4096,4096]{0,1} copy(%a)',  # no metadata: takes its operand's (an MLP)
       '  %d = f32[8,4096]{1,0} add(%y, %z), metadata={op_name="jit(step)/x"}',
-  ])
+    ]
+  )
   got = costs.buffers(hlo, 4096)
   assert list(got["t_by_t_buffers"]) == ["f32[1,4,4096,4096]"]
   assert got["largest_buffer"] == "f32[1,4,4096,4096]"

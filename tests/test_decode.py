@@ -1,4 +1,5 @@
 """The decode engine against the uncached full forward (never against itself)."""
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -9,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_close_rel
 
 import lca_jax
-from conftest import assert_close_rel
 from lca_jax import vocab
 from lca_jax.api import Model
 from lca_jax.decode import cache, engine
@@ -20,14 +21,24 @@ from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import ByteLM, init_params
 
 REF = os.path.join(os.path.dirname(__file__), "data", "reference")
-TINY = dict(d_model=32, d_inner=64, n_heads=2, n_kv_heads=1, vocab_size=261, n_enc=1, n_lm=1,
-            n_dec=1, n_mbp=2, max_seq_len=512)
+TINY = dict(
+  d_model=32,
+  d_inner=64,
+  n_heads=2,
+  n_kv_heads=1,
+  vocab_size=261,
+  n_enc=1,
+  n_lm=1,
+  n_dec=1,
+  n_mbp=2,
+  max_seq_len=512,
+)
 VARIANTS = {
-    "lca": dict(),
-    "mlp": dict(n_mbp=0, n_mlp_mbp=3),
-    "spacebyte": dict(n_mbp=0, boundaries="spacebyte", spacebyte_max_group=4),
-    "fxt": dict(n_mbp=0),
-    "flat": dict(kind="flat", n_lm=0, n_dec=0, n_mbp=0, n_enc=2),
+  "lca": dict(),
+  "mlp": dict(n_mbp=0, n_mlp_mbp=3),
+  "spacebyte": dict(n_mbp=0, boundaries="spacebyte", spacebyte_max_group=4),
+  "fxt": dict(n_mbp=0),
+  "flat": dict(kind="flat", n_lm=0, n_dec=0, n_mbp=0, n_enc=2),
 }
 
 
@@ -39,11 +50,15 @@ def scale_params(params, factor):
 @functools.lru_cache(maxsize=None)
 def tiny_model(name, seed=0, factor=8.0, bp_bias=0.0):
   cfg = ModelConfig(**{**TINY, **VARIANTS[name]})
-  params = jax.tree_util.tree_map(jnp.asarray, scale_params(
-      lca_jax.api.nn.unbox(init_params(cfg, jax.random.PRNGKey(seed))), factor))
+  params = jax.tree_util.tree_map(
+    jnp.asarray,
+    scale_params(lca_jax.api.nn.unbox(init_params(cfg, jax.random.PRNGKey(seed))), factor),
+  )
   if cfg.hierarchical and cfg.boundaries == "learned":
     # bias the predictor so that ~1/3 of bytes close a group (several closes per step happen)
-    params["boundary_predictor"]["fc2"]["bias"] = params["boundary_predictor"]["fc2"]["bias"] + bp_bias
+    params["boundary_predictor"]["fc2"]["bias"] = (
+      params["boundary_predictor"]["fc2"]["bias"] + bp_bias
+    )
   return Model(cfg, params, source=name)
 
 
@@ -78,7 +93,7 @@ def full_reference(model, ids_BT, n_copies):
   """Uncached forward on the whole sequence plus LCA-MBP logits at n_copies appended copies of
   the last byte (docs/design.md §6.2), written from the model's stage methods, not from the
   cache code."""
-  cfg, mod = model.cfg, ByteLM(model.cfg)
+  cfg = model.cfg
   out = model.forward(np.asarray(ids_BT))
   if not cfg.has_lca or n_copies == 0:
     return out, None
@@ -138,7 +153,7 @@ def test_cache_parity_per_step(name, monkeypatch):
   for step, ks in enumerate(chunks):
     x = np.zeros((b, 9), np.int32)  # one shape for every chunk: one compilation
     for r in range(b):
-      x[r, : ks[r]] = ids[r, pos[r]: pos[r] + ks[r]]
+      x[r, : ks[r]] = ids[r, pos[r] : pos[r] + ks[r]]
     old_closed = np.asarray(st.n_closed)
     st, out = ext(st, jnp.asarray(x), jnp.asarray(ks, jnp.int32))
     new_pos = pos + ks
@@ -150,8 +165,9 @@ def test_cache_parity_per_step(name, monkeypatch):
       if cfg.n_mlp_mbp:
         assert_close_rel(out["mlp_logits"][r, :, sl], ref["mlp_mbp_logits"][r, :, rows])
       if cfg.hierarchical:
-        np.testing.assert_array_equal(np.asarray(st.b[r, : new_pos[r]]),
-                                      ref["boundaries"][r, : new_pos[r]])
+        np.testing.assert_array_equal(
+          np.asarray(st.b[r, : new_pos[r]]), ref["boundaries"][r, : new_pos[r]]
+        )
         saw_multi_close |= int(st.n_closed[r]) - int(old_closed[r]) >= 2
     if window:  # did every row's keys (group before the first new byte on) fit 13 slots?
       g = np.cumsum(ref["boundaries"], axis=1) - ref["boundaries"]
@@ -161,7 +177,7 @@ def test_cache_parity_per_step(name, monkeypatch):
     if cfg.has_lca and step == 4:  # appended copies: against a forward that ends at t
       copies = cop(st)
       for r in range(b):
-        _, ref_copies = full_reference(model, jnp.asarray(ids[r: r + 1, : pos[r]]), 3)
+        _, ref_copies = full_reference(model, jnp.asarray(ids[r : r + 1, : pos[r]]), 3)
         assert_close_rel(copies[r], ref_copies[0])
         assert_close_rel(st.last_copies[r], ref_copies[0])
   if cfg.hierarchical:
@@ -201,7 +217,7 @@ def greedy_reference(model, prompt, steps, width=48):
   buf[0, : len(prompt)] = prompt
   for t in range(len(prompt), len(prompt) + steps):
     buf[0, t] = int(np.argmax(model.forward(buf)["ntp_logits"][0, t - 1]))
-  return buf[0, len(prompt): len(prompt) + steps]
+  return buf[0, len(prompt) : len(prompt) + steps]
 
 
 def test_ragged_batch_threshold_and_verify():
@@ -227,8 +243,9 @@ def test_mlp_mbp_verify_equals_greedy_and_no_retrace():
   r = model.generate(p, mode="verify", n=3, max_bytes=10, ignore_eos=True)
   np.testing.assert_array_equal(r.ids[0], greedy_reference(model, p, 10))
   before = engine.compiled_count()
-  r2 = model.generate(random_ids(rng, 12), mode="verify", n=3, max_bytes=10, ignore_eos=True,
-                      seed=5)
+  r2 = model.generate(
+    random_ids(rng, 12), mode="verify", n=3, max_bytes=10, ignore_eos=True, seed=5
+  )
   assert engine.compiled_count() == before  # same shapes: no new compilation
   assert len(r2.ids[0]) == 10
 
@@ -238,8 +255,9 @@ def test_drafter_output_equals_verifier():
   verifier = tiny_model("fxt", seed=2, bp_bias=2.0)
   rng = np.random.default_rng(5)
   prompts = [random_ids(rng, 7), random_ids(rng, 13)]
-  r = verifier.generate(prompts, mode="drafter", drafter=drafter, n=3, max_bytes=10,
-                        ignore_eos=True)
+  r = verifier.generate(
+    prompts, mode="drafter", drafter=drafter, n=3, max_bytes=10, ignore_eos=True
+  )
   for i, p in enumerate(prompts):
     np.testing.assert_array_equal(r.ids[i], greedy_reference(verifier, p, 10))
 
@@ -260,15 +278,26 @@ def test_speculative_sampling_matches_next_byte_distribution():
   model = tiny_model("lca", factor=3.0)
   prompt = np.array(vocab.encode("the "), np.int32)
   rows = 1024
-  r = model.generate([prompt] * rows, mode="verify", n=3, max_bytes=2, temperature=1.0,
-                     top_k=3, seed=11, ignore_eos=True)
+  r = model.generate(
+    [prompt] * rows,
+    mode="verify",
+    n=3,
+    max_bytes=2,
+    temperature=1.0,
+    top_k=3,
+    seed=11,
+    ignore_eos=True,
+  )
   pairs = np.array([x[:2] for x in r.ids])
   sp = engine.SamplingParams(jnp.float32(1.0), jnp.int32(3), jnp.float32(1.0))
   p1 = np.exp(np.asarray(engine.log_probs(model.forward(prompt)["ntp_logits"][-1], sp)))
   expected, observed = [], []
   for a in np.nonzero(p1 > 0)[0]:
-    p2 = np.exp(np.asarray(engine.log_probs(
-        model.forward(np.append(prompt, a).astype(np.int32))["ntp_logits"][-1], sp)))
+    p2 = np.exp(
+      np.asarray(
+        engine.log_probs(model.forward(np.append(prompt, a).astype(np.int32))["ntp_logits"][-1], sp)
+      )
+    )
     for b in np.nonzero(p2 > 0)[0]:
       expected.append(rows * p1[a] * p2[b])
       observed.append(np.sum((pairs[:, 0] == a) & (pairs[:, 1] == b)))
@@ -276,6 +305,7 @@ def test_speculative_sampling_matches_next_byte_distribution():
   assert observed.sum() == rows  # nothing outside the support
   chi2 = np.sum((observed - expected) ** 2 / expected)
   from scipy import stats  # pylint: disable=g-import-not-at-top
+
   assert stats.chi2.sf(chi2, len(expected) - 1) > 1e-3, (observed, expected)
   assert r.acceptance_rate > 0
 

@@ -3,6 +3,7 @@ design document (``docs/design.md §N`` or ``§N.M``) names a section that exist
 
 No jax work here (conftest imports it, nothing else does): seconds, on any machine.
 """
+
 import os
 import re
 
@@ -15,14 +16,23 @@ DESIGN = os.path.join(ROOT, "docs", "design.md")
 FORBIDDEN = ("../" + "shared", "DESIGN" + " §", "DESIGN" + ".md")
 
 # Build outputs and local state, never part of the repository (see .gitignore).
-SKIP_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", "build", "dist", "workdirs",
-             "runs", ".whl", "wheels"}
+SKIP_DIRS = {
+  ".git",
+  ".venv",
+  "__pycache__",
+  ".pytest_cache",
+  "build",
+  "dist",
+  "workdirs",
+  "runs",
+  ".whl",
+  "wheels",
+}
 
 HEADING = re.compile(r"^#{2,4}\s+(\d+(?:\.\d+)*)\.?\s+\S", re.MULTILINE)
 SECTION = re.compile(r"§\s?(\d+(?:\.\d+)*)")
 # "docs/design.md §2.4", "`docs/design.md` §2.5-§2.7", "docs/design.md §1, §2 and §7.2"
-CITATION = re.compile(
-    r"docs/design\.md`?((?:\s*(?:,|-|and|or)?\s*§\s?\d+(?:\.\d+)*)+)")
+CITATION = re.compile(r"docs/design\.md`?((?:\s*(?:,|-|and|or)?\s*§\s?\d+(?:\.\d+)*)+)")
 
 
 def _files():
@@ -58,8 +68,10 @@ def test_nothing_points_outside_the_repository():
       if needle in data:
         line = data[: data.index(needle)].count("\n") + 1
         bad.append(f"{os.path.relpath(path, ROOT)}:{line}: {needle!r}")
-  assert not bad, ("references to files outside the repository (cite docs/design.md "
-                   "sections instead):\n" + "\n".join(bad))
+  assert not bad, (
+    "references to files outside the repository (cite docs/design.md "
+    "sections instead):\n" + "\n".join(bad)
+  )
 
 
 def _citations():
@@ -82,20 +94,26 @@ def _citations():
 def test_every_cited_section_exists():
   sections = _sections()
   cites = _citations()
-  assert any(not where.startswith(os.path.join("docs", "design.md")) for where, _ in cites), \
-      "no citation of docs/design.md found: is the citation pattern still right?"
+  assert any(not where.startswith(os.path.join("docs", "design.md")) for where, _ in cites), (
+    "no citation of docs/design.md found: is the citation pattern still right?"
+  )
   missing = [f"{where}: §{s}" for where, s in cites if s not in sections]
-  assert not missing, ("citations of docs/design.md sections that do not exist (headings: "
-                       f"{', '.join(sorted(sections, key=lambda s: [int(x) for x in s.split('.')]))}):\n"
-                       + "\n".join(missing))
+  assert not missing, (
+    "citations of docs/design.md sections that do not exist (headings: "
+    f"{', '.join(sorted(sections, key=lambda s: [int(x) for x in s.split('.')]))}):\n"
+    + "\n".join(missing)
+  )
 
 
-@pytest.mark.parametrize("text, want", [
+@pytest.mark.parametrize(
+  "text, want",
+  [
     ("see docs/design.md §2.4.", ["2.4"]),
     ("(`docs/design.md` §2.5-§2.7)", ["2.5", "2.7"]),
     ("docs/design.md §1, §2 and §7.2", ["1", "2", "7.2"]),
     ("docs/design.md; the tests", []),
-])
+  ],
+)
 def test_citation_pattern(text, want):
   got = [s for m in CITATION.finditer(text) for s in SECTION.findall(m.group(1))]
   assert got == want

@@ -1,4 +1,5 @@
 """One error hierarchy: every exception class lca_jax defines derives from LcaError."""
+
 import importlib
 import inspect
 import pkgutil
@@ -31,4 +32,5 @@ def test_builtin_bases_kept():
   """Old `except ValueError` / `except RuntimeError` call sites keep working."""
   from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
   from lca_jax.model.config import ConfigError  # pylint: disable=g-import-not-at-top
+
   assert issubclass(ConfigError, ValueError) and issubclass(DataError, RuntimeError)

@@ -5,6 +5,7 @@ Decoder compiles dominate on CPU, so every real-model generation uses the same s
 for all four tasks and the sweep.  Mode-specific bookkeeping (ntp, verify, drafter) and the
 IFEval sampling settings are tested with a stand-in model.
 """
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -23,24 +24,60 @@ from lca_jax.eval import bpb, ifeval, metrics, plots, sweep, tasks
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-SUMM = [{"article": "The small cat sat on the warm mat all day long while the rain fell.",
-         "highlights": "A cat sat on a mat."},
-        {"article": "Rain fell over the old city for many hours and the streets were flooded.",
-         "summary": "Rain flooded the city."}]
-TRANS = [{"es": "El gato duerme en la casa grande.", "en": "The cat sleeps in the big house."},
-         {"src": "Hola amigo mio, que tal estas hoy?", "tgt": "Hello my friend, how are you today?"}]
-QA = [{"story": "Tom has a red ball and a blue kite.", "question": "What color is the ball?",
-       "answers": ["red", "Red."]},
-      {"story": "Ann is ten years old and lives in Rome.", "questions": [{"input_text": "Who is it?"},
-       {"input_text": "How old?"}], "answers": [{"input_text": "Ann"}, {"input_text": "ten"}]}]
-IFE = [{"key": 1, "prompt": "Write a short poem about cats and dogs, please.",
-        "instruction_id_list": ["punctuation:no_comma", "length_constraints:number_words"],
-        "kwargs": [{}, {"relation": "less than", "num_words": 50}]},
-       {"key": 2, "prompt": "Say hello to my friend in Spanish, all lowercase.",
-        "instruction_id_list": ["language:response_language", "change_case:english_lowercase"],
-        "kwargs": [{"language": "es"}, {}]}]
+SUMM = [
+  {
+    "article": "The small cat sat on the warm mat all day long while the rain fell.",
+    "highlights": "A cat sat on a mat.",
+  },
+  {
+    "article": "Rain fell over the old city for many hours and the streets were flooded.",
+    "summary": "Rain flooded the city.",
+  },
+]
+TRANS = [
+  {"es": "El gato duerme en la casa grande.", "en": "The cat sleeps in the big house."},
+  {"src": "Hola amigo mio, que tal estas hoy?", "tgt": "Hello my friend, how are you today?"},
+]
+QA = [
+  {
+    "story": "Tom has a red ball and a blue kite.",
+    "question": "What color is the ball?",
+    "answers": ["red", "Red."],
+  },
+  {
+    "story": "Ann is ten years old and lives in Rome.",
+    "questions": [{"input_text": "Who is it?"}, {"input_text": "How old?"}],
+    "answers": [{"input_text": "Ann"}, {"input_text": "ten"}],
+  },
+]
+IFE = [
+  {
+    "key": 1,
+    "prompt": "Write a short poem about cats and dogs, please.",
+    "instruction_id_list": ["punctuation:no_comma", "length_constraints:number_words"],
+    "kwargs": [{}, {"relation": "less than", "num_words": 50}],
+  },
+  {
+    "key": 2,
+    "prompt": "Say hello to my friend in Spanish, all lowercase.",
+    "instruction_id_list": ["language:response_language", "change_case:english_lowercase"],
+    "kwargs": [{"language": "es"}, {}],
+  },
+]
 DATA = {"summarization": SUMM, "translation": TRANS, "qa": QA, "ifeval": IFE}
-GEN = ["--mode", "threshold", "--n", "3", "--tau", "0.9", "--max-bytes", "16", "--batch-size", "2", "--no-progress"]
+GEN = [
+  "--mode",
+  "threshold",
+  "--n",
+  "3",
+  "--tau",
+  "0.9",
+  "--max-bytes",
+  "16",
+  "--batch-size",
+  "2",
+  "--no-progress",
+]
 
 
 def write_jsonl(path, records, raw=()):
@@ -58,15 +95,19 @@ def files(tmp_path_factory):
   out = {t: write_jsonl(d / f"{t}.jsonl", recs) for t, recs in DATA.items()}
   out["text"] = str(d / "held.txt")
   with open(out["text"], "w") as f:
-    f.write("Hello world, this is a held-out document.\n\nAnother paragraph, with more words in it.\n\n"
-            "A third one.\n\nAnd a fourth paragraph to make two batches.\n")
+    f.write(
+      "Hello world, this is a held-out document.\n\nAnother paragraph, with more words in it.\n\n"
+      "A third one.\n\nAnd a fourth paragraph to make two batches.\n"
+    )
   return out
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
   from conftest import random_params, tiny_config
+
   from lca_jax.interop import upstream
+
   d = tmp_path_factory.mktemp("ckpt")
   out = {}
   for name, variant in (("lca", "lca_mbp"), ("fxt", "fxt")):
@@ -115,40 +156,98 @@ def test_coqa_normalisation_and_f1():
 
 
 IFEVAL_CASES = [
-    ("keywords:existence", {"keywords": ["cat", "dog"]}, "A Cat and a dog.", "A cat only."),
-    ("keywords:frequency", {"keyword": "yes", "frequency": 2, "relation": "at least"}, "yes YES", "yes"),
-    ("keywords:frequency", {"keyword": "no", "frequency": 2, "relation": "less than"}, "no", "no no"),
-    ("keywords:forbidden_words", {"forbidden_words": ["bad"]}, "badge is fine", "a Bad day"),
-    ("keywords:letter_frequency", {"letter": "z", "let_frequency": 2, "let_relation": "at least"}, "zZ", "z"),
-    ("length_constraints:number_words", {"num_words": 3, "relation": "less than"}, "two words", "one two three"),
-    ("length_constraints:number_sentences", {"num_sentences": 2, "relation": "at least"},
-     "Dr. Smith came. He left!", "Dr. Smith came home."),
-    ("length_constraints:number_paragraphs", {"num_paragraphs": 2}, "one\n***\ntwo", "one\n***\ntwo\n***\nthree"),
-    ("length_constraints:nth_paragraph_first_word", {"num_paragraphs": 2, "nth_paragraph": 2, "first_word": "then"},
-     "First.\n\n\"Then, second.", "First.\n\nNow second."),
-    ("detectable_content:number_placeholders", {"num_placeholders": 2}, "[name] at [place]", "[name] only"),
-    ("detectable_content:postscript", {"postscript_marker": "P.S."}, "Hi.\np.s. bye", "Hi. bye"),
-    ("detectable_content:postscript", {"postscript_marker": "P.P.S"}, "Hi.\nP.P.S more", "Hi.\nP.S. more"),
-    ("detectable_format:number_bullet_lists", {"num_bullets": 2}, "* a\n- b", "* a\n* b\n* c"),
-    ("detectable_format:constrained_response", {}, "My answer is yes.", "Yes."),
-    ("detectable_format:number_highlighted_sections", {"num_highlights": 2}, "*a* and **b**", "*a* and **"),
-    ("detectable_format:multiple_sections", {"section_spliter": "Section", "num_sections": 2},
-     "Section 1\nx\nSection 2\ny", "Section 1\nx"),
-    ("detectable_format:json_format", {}, "```json\n{\"a\": 1}\n```", "{a: 1}"),
-    ("detectable_format:title", {}, "<<My Title>>\ntext", "<< >> text"),
-    ("combination:two_responses", {}, "one******two", "one******one"),
-    ("combination:repeat_prompt", {"prompt_to_repeat": "Say hi."}, "say hi. Hi!", "Hi! Say hi."),
-    ("startend:end_checker", {"end_phrase": "Any questions?"}, "Done. Any questions?\"", "Any questions? Done."),
-    ("startend:quotation", {}, " \"quoted\" ", "\"half"),
-    ("change_case:capital_word_frequency", {"capital_frequency": 2, "capital_relation": "at least"},
-     "THE BIG dog", "The BIG dog"),
-    ("change_case:english_capital", {}, "ALL CAPS 1", "Not caps"),
-    ("change_case:english_lowercase", {}, "all lower", "Not lower"),
-    ("punctuation:no_comma", {}, "no commas here", "a, b"),
+  ("keywords:existence", {"keywords": ["cat", "dog"]}, "A Cat and a dog.", "A cat only."),
+  (
+    "keywords:frequency",
+    {"keyword": "yes", "frequency": 2, "relation": "at least"},
+    "yes YES",
+    "yes",
+  ),
+  ("keywords:frequency", {"keyword": "no", "frequency": 2, "relation": "less than"}, "no", "no no"),
+  ("keywords:forbidden_words", {"forbidden_words": ["bad"]}, "badge is fine", "a Bad day"),
+  (
+    "keywords:letter_frequency",
+    {"letter": "z", "let_frequency": 2, "let_relation": "at least"},
+    "zZ",
+    "z",
+  ),
+  (
+    "length_constraints:number_words",
+    {"num_words": 3, "relation": "less than"},
+    "two words",
+    "one two three",
+  ),
+  (
+    "length_constraints:number_sentences",
+    {"num_sentences": 2, "relation": "at least"},
+    "Dr. Smith came. He left!",
+    "Dr. Smith came home.",
+  ),
+  (
+    "length_constraints:number_paragraphs",
+    {"num_paragraphs": 2},
+    "one\n***\ntwo",
+    "one\n***\ntwo\n***\nthree",
+  ),
+  (
+    "length_constraints:nth_paragraph_first_word",
+    {"num_paragraphs": 2, "nth_paragraph": 2, "first_word": "then"},
+    "First.\n\n\"Then, second.",
+    "First.\n\nNow second.",
+  ),
+  (
+    "detectable_content:number_placeholders",
+    {"num_placeholders": 2},
+    "[name] at [place]",
+    "[name] only",
+  ),
+  ("detectable_content:postscript", {"postscript_marker": "P.S."}, "Hi.\np.s. bye", "Hi. bye"),
+  (
+    "detectable_content:postscript",
+    {"postscript_marker": "P.P.S"},
+    "Hi.\nP.P.S more",
+    "Hi.\nP.S. more",
+  ),
+  ("detectable_format:number_bullet_lists", {"num_bullets": 2}, "* a\n- b", "* a\n* b\n* c"),
+  ("detectable_format:constrained_response", {}, "My answer is yes.", "Yes."),
+  (
+    "detectable_format:number_highlighted_sections",
+    {"num_highlights": 2},
+    "*a* and **b**",
+    "*a* and **",
+  ),
+  (
+    "detectable_format:multiple_sections",
+    {"section_spliter": "Section", "num_sections": 2},
+    "Section 1\nx\nSection 2\ny",
+    "Section 1\nx",
+  ),
+  ("detectable_format:json_format", {}, "```json\n{\"a\": 1}\n```", "{a: 1}"),
+  ("detectable_format:title", {}, "<<My Title>>\ntext", "<< >> text"),
+  ("combination:two_responses", {}, "one******two", "one******one"),
+  ("combination:repeat_prompt", {"prompt_to_repeat": "Say hi."}, "say hi. Hi!", "Hi! Say hi."),
+  (
+    "startend:end_checker",
+    {"end_phrase": "Any questions?"},
+    "Done. Any questions?\"",
+    "Any questions? Done.",
+  ),
+  ("startend:quotation", {}, " \"quoted\" ", "\"half"),
+  (
+    "change_case:capital_word_frequency",
+    {"capital_frequency": 2, "capital_relation": "at least"},
+    "THE BIG dog",
+    "The BIG dog",
+  ),
+  ("change_case:english_capital", {}, "ALL CAPS 1", "Not caps"),
+  ("change_case:english_lowercase", {}, "all lower", "Not lower"),
+  ("punctuation:no_comma", {}, "no commas here", "a, b"),
 ]
 
 
-@pytest.mark.parametrize("iid,kw,good,bad", IFEVAL_CASES, ids=[c[0] + str(i) for i, c in enumerate(IFEVAL_CASES)])
+@pytest.mark.parametrize(
+  "iid,kw,good,bad", IFEVAL_CASES, ids=[c[0] + str(i) for i, c in enumerate(IFEVAL_CASES)]
+)
 def test_ifeval_checkers(iid, kw, good, bad):
   assert ifeval.check(iid, good, kw)
   assert not ifeval.check(iid, bad, kw)
@@ -179,7 +278,9 @@ class FakeModel:
 
   def __init__(self, examples, has_mbp=True):
     self.cfg = types.SimpleNamespace(max_seq_len=512, has_mbp=has_mbp)
-    self.answers = {np.asarray(e.prompt_ids, np.int32).tobytes(): (e.references or ["ok"])[0] for e in examples}
+    self.answers = {
+      np.asarray(e.prompt_ids, np.int32).tobytes(): (e.references or ["ok"])[0] for e in examples
+    }
     self.calls = []
 
   def generate(self, prompts, mode="ntp", n=3, drafter=None, **kw):
@@ -190,13 +291,25 @@ class FakeModel:
       raise DecodeError("drafter mode needs a drafter model")
     texts = [self.answers[np.asarray(p, np.int32).tobytes()] for p in prompts]
     per = [[1] * len(vocab.encode(t)) if mode == "ntp" else [3, 1, 2] for t in texts]
-    return GenerateResult(texts=texts, ids=[vocab.encode(t, add_eos=True) for t in texts],
-                          prompt_boundaries=[], boundaries=[], accepted_per_step=per, histogram={},
-                          acceptance_rate=float("nan") if mode == "ntp" else 0.5, latent_steps_per_byte=0.25,
-                          bytes_per_s=0.0, elapsed_s=0.01, compile_s=0.0, steps=3)
+    return GenerateResult(
+      texts=texts,
+      ids=[vocab.encode(t, add_eos=True) for t in texts],
+      prompt_boundaries=[],
+      boundaries=[],
+      accepted_per_step=per,
+      histogram={},
+      acceptance_rate=float("nan") if mode == "ntp" else 0.5,
+      latent_steps_per_byte=0.25,
+      bytes_per_s=0.0,
+      elapsed_s=0.01,
+      compile_s=0.0,
+      steps=3,
+    )
 
 
-@pytest.mark.parametrize("task,metric", [("summarization", "rougeL"), ("translation", "bleu"), ("qa", "f1")])
+@pytest.mark.parametrize(
+  "task,metric", [("summarization", "rougeL"), ("translation", "bleu"), ("qa", "f1")]
+)
 def test_run_task_scores_and_bookkeeping(files, task, metric):
   ex = tasks.load_examples(task, files[task])
   model = FakeModel(ex)
@@ -205,8 +318,12 @@ def test_run_task_scores_and_bookkeeping(files, task, metric):
   assert r["accepted_hist"] == {2: len(ex), 0: len(ex), 1: len(ex)}  # committed - 1 (the NT byte)
   assert r["committed_hist"] == {3: len(ex), 1: len(ex), 2: len(ex)}
   assert r["acceptance_rate"] == pytest.approx(0.5)
-  assert r["bytes_per_s"] == pytest.approx(sum(len(e.references[0].encode()) for e in ex) / (0.01 * len(model.calls)))
-  assert all(c["batch"] == 2 and c["temperature"] == 0.0 for c in model.calls)  # padded batches, greedy
+  assert r["bytes_per_s"] == pytest.approx(
+    sum(len(e.references[0].encode()) for e in ex) / (0.01 * len(model.calls))
+  )
+  assert all(
+    c["batch"] == 2 and c["temperature"] == 0.0 for c in model.calls
+  )  # padded batches, greedy
   assert all(c["pad_to"] in (32, 64, 128) for c in model.calls)
 
 
@@ -214,8 +331,12 @@ def test_run_task_modes_and_ifeval_sampling(files):
   ex = tasks.load_examples("ifeval", files["ifeval"])
   model = FakeModel(ex)
   r = tasks.run_task(model, "ifeval", ex, mode="drafter", drafter=object(), batch_size=1)
-  assert model.calls[0]["temperature"] == 0.7 and model.calls[0]["top_p"] == 0.9  # paper's IFEval setting
-  assert r["accepted_hist"] == {3: 2, 1: 2, 2: 2} and r["max_bytes"] == tasks.DEFAULT_MAX_BYTES["ifeval"]
+  assert (
+    model.calls[0]["temperature"] == 0.7 and model.calls[0]["top_p"] == 0.9
+  )  # paper's IFEval setting
+  assert (
+    r["accepted_hist"] == {3: 2, 1: 2, 2: 2} and r["max_bytes"] == tasks.DEFAULT_MAX_BYTES["ifeval"]
+  )
   r = tasks.run_task(model, "ifeval", ex, mode="ntp")
   assert math.isnan(r["acceptance_rate"]) and r["accepted_hist"] == {} and r["n"] == 1
   with pytest.raises(tasks.TaskError, match="metric 'bleu'"):
@@ -225,15 +346,28 @@ def test_run_task_modes_and_ifeval_sampling(files):
 def test_sweep_with_stand_in_models(files, tmp_path):
   ex = tasks.load_examples("translation", files["translation"])
   models = {"a/lca": FakeModel(ex), "b/fxt": FakeModel(ex, has_mbp=False)}
-  res = sweep.run_sweep(list(models), "translation", files["translation"], str(tmp_path),
-                        modes=["ntp", "threshold", "verify", "drafter"], taus=[0.7, 0.9], ns=[3, 4],
-                        progress=False, loader=models.__getitem__)
+  res = sweep.run_sweep(
+    list(models),
+    "translation",
+    files["translation"],
+    str(tmp_path),
+    modes=["ntp", "threshold", "verify", "drafter"],
+    taus=[0.7, 0.9],
+    ns=[3, 4],
+    progress=False,
+    loader=models.__getitem__,
+  )
   runs = {(r["label"], r["mode"], r["tau"], r["n"]) for r in res["runs"]}
-  assert runs == ({("lca", "ntp", None, 1), ("fxt", "ntp", None, 1)}
-                  | {("lca", "threshold", t, n) for t in (0.7, 0.9) for n in (3, 4)}
-                  | {("lca", "verify", None, n) for n in (3, 4)})
+  assert runs == (
+    {("lca", "ntp", None, 1), ("fxt", "ntp", None, 1)}
+    | {("lca", "threshold", t, n) for t in (0.7, 0.9) for n in (3, 4)}
+    | {("lca", "verify", None, n) for n in (3, 4)}
+  )
   reasons = {(s["label"], s["mode"]): s["reason"] for s in res["skipped"]}
-  assert "needs --drafter" in reasons[("lca", "drafter")] and "multi-byte head" in reasons[("fxt", "threshold")]
+  assert (
+    "needs --drafter" in reasons[("lca", "drafter")]
+    and "multi-byte head" in reasons[("fxt", "threshold")]
+  )
   table = json.load(open(tmp_path / "sweep.json"))
   assert len(table["runs"]) == 8 and table["machine"]["backend"]
   for name in ("quality_vs_throughput", "throughput_vs_n", "accepted_hist"):
@@ -247,19 +381,40 @@ def test_group_lengths_and_bpb_weighting(ckpts, files, capsys):
   d = np.array([[1, 1, 1, 1, 1, 2, 2, 2]])
   assert bpb.group_lengths(b, d).tolist() == [2, 3, 1, 2]
   assert bpb.group_lengths(np.array([[1, 0, 1, 0]]), np.array([[1, 1, 1, 0]])).tolist() == [1, 2]
-  rc, out, err = run_cli(capsys, "bpb", "--checkpoint", ckpts["lca"], "--data", files["text"], "--seq-len", "48",
-                         "--batch-size", "2", "--json", "--no-progress")
+  rc, out, err = run_cli(
+    capsys,
+    "bpb",
+    "--checkpoint",
+    ckpts["lca"],
+    "--data",
+    files["text"],
+    "--seq-len",
+    "48",
+    "--batch-size",
+    "2",
+    "--json",
+    "--no-progress",
+  )
   assert rc == 0, err
   res = json.loads(out)
   assert res["batches"] == 2
-  for k in ("bpb_ntp", "bpb_mbp", "bytes_per_latent", "boundary_rate", "group_len_mean", "group_len_p50",
-            "group_len_p90"):
+  for k in (
+    "bpb_ntp",
+    "bpb_mbp",
+    "bytes_per_latent",
+    "boundary_rate",
+    "group_len_mean",
+    "group_len_p50",
+    "group_len_p90",
+  ):
     assert math.isfinite(res[k]) and res[k] > 0, k
   assert res["bytes_per_latent"] == pytest.approx(1 / res["boundary_rate"])
   # target-weighted over the run, not a mean of batch means
-  import lca_jax
   from conftest import assert_close_rel
+
+  import lca_jax
   from lca_jax.data import make_eval_pipeline
+
   model = lca_jax.load(ckpts["lca"])
   batches = list(make_eval_pipeline(files["text"], "text", 48, 2, shard_index=0, shard_count=1))
   parts = [bpb.evaluate_bpb(model, [x]) for x in batches]
@@ -278,8 +433,21 @@ def test_tasks_end_to_end(ckpts, files, capsys, tmp_path, task):
   # IFEval samples (T=0.7, top-p 0.9; see test_run_task_modes_and_ifeval_sampling); greedy here
   # shares the one compiled decoder with the other tasks.
   greedy = ["--temperature", "0"] if task == "ifeval" else []
-  rc, out, err = run_cli(capsys, "tasks", "--checkpoint", ckpts["lca"], "--task", task, "--data", files[task],
-                         *GEN, *greedy, "--json", "--out", out_file)
+  rc, out, err = run_cli(
+    capsys,
+    "tasks",
+    "--checkpoint",
+    ckpts["lca"],
+    "--task",
+    task,
+    "--data",
+    files[task],
+    *GEN,
+    *greedy,
+    "--json",
+    "--out",
+    out_file,
+  )
   assert rc == 0, err
   r = json.loads(out)
   assert r["task"] == task and r["examples"] == len(ex) and r["metric"] == tasks.HEADLINE[task]
@@ -294,12 +462,36 @@ def test_tasks_end_to_end(ckpts, files, capsys, tmp_path, task):
 
 def test_sweep_cli_on_real_checkpoints(ckpts, files, capsys, tmp_path):
   out_dir = str(tmp_path / "sweep")
-  rc, out, err = run_cli(capsys, "sweep", "--checkpoints", ckpts["lca"], ckpts["fxt"], "--task", "summarization",
-                         "--data", files["summarization"], "--modes", "threshold", "--taus", "0.5,0.9", "--ns", "3",
-                         "--max-bytes", "16", "--batch-size", "2", "--out", out_dir, "--no-progress")
+  rc, out, err = run_cli(
+    capsys,
+    "sweep",
+    "--checkpoints",
+    ckpts["lca"],
+    ckpts["fxt"],
+    "--task",
+    "summarization",
+    "--data",
+    files["summarization"],
+    "--modes",
+    "threshold",
+    "--taus",
+    "0.5,0.9",
+    "--ns",
+    "3",
+    "--max-bytes",
+    "16",
+    "--batch-size",
+    "2",
+    "--out",
+    out_dir,
+    "--no-progress",
+  )
   assert rc == 0, err
   table = json.load(open(os.path.join(out_dir, "sweep.json")))
-  assert [(r["label"], r["tau"], r["n"]) for r in table["runs"]] == [("lca", 0.5, 3), ("lca", 0.9, 3)]
+  assert [(r["label"], r["tau"], r["n"]) for r in table["runs"]] == [
+    ("lca", 0.5, 3),
+    ("lca", 0.9, 3),
+  ]
   assert [(s["label"], s["tau"]) for s in table["skipped"]] == [("fxt", 0.5), ("fxt", 0.9)]
   assert "multi-byte head" in table["skipped"][0]["reason"]
   assert all(r["bytes_per_s"] > 0 and "accepted_hist" in r for r in table["runs"])
@@ -311,17 +503,51 @@ def test_sweep_cli_on_real_checkpoints(ckpts, files, capsys, tmp_path):
 def test_cli_errors(ckpts, files, capsys, tmp_path):
   bad = write_jsonl(tmp_path / "bad.jsonl", SUMM[:1], raw=["", "{oops"])
   cases = [
-      (["tasks", "--checkpoint", str(tmp_path / "nope"), "--task", "qa", "--data", files["qa"]],
-       "checkpoint path does not exist"),
-      (["tasks", "--checkpoint", ckpts["lca"], "--task", "poetry", "--data", files["qa"]], "unknown task 'poetry'"),
-      (["tasks", "--checkpoint", ckpts["lca"], "--task", "qa", "--data", str(tmp_path / "none.jsonl")],
-       "data file not found"),
-      (["tasks", "--checkpoint", ckpts["lca"], "--task", "summarization", "--data", bad], "bad.jsonl:3: malformed JSON"),
-      (["tasks", "--checkpoint", ckpts["lca"], "--task", "qa", "--data", files["summarization"]],
-       "summarization.jsonl:1: not a qa example"),
-      (["bpb", "--checkpoint", ckpts["lca"], "--data", str(tmp_path / "none.txt")], "no files match"),
-      (["sweep", "--checkpoints", ckpts["lca"], "--task", "qa", "--data", files["qa"], "--modes", "fast",
-        "--out", str(tmp_path / "o")], "unknown mode 'fast'"),
+    (
+      ["tasks", "--checkpoint", str(tmp_path / "nope"), "--task", "qa", "--data", files["qa"]],
+      "checkpoint path does not exist",
+    ),
+    (
+      ["tasks", "--checkpoint", ckpts["lca"], "--task", "poetry", "--data", files["qa"]],
+      "unknown task 'poetry'",
+    ),
+    (
+      [
+        "tasks",
+        "--checkpoint",
+        ckpts["lca"],
+        "--task",
+        "qa",
+        "--data",
+        str(tmp_path / "none.jsonl"),
+      ],
+      "data file not found",
+    ),
+    (
+      ["tasks", "--checkpoint", ckpts["lca"], "--task", "summarization", "--data", bad],
+      "bad.jsonl:3: malformed JSON",
+    ),
+    (
+      ["tasks", "--checkpoint", ckpts["lca"], "--task", "qa", "--data", files["summarization"]],
+      "summarization.jsonl:1: not a qa example",
+    ),
+    (["bpb", "--checkpoint", ckpts["lca"], "--data", str(tmp_path / "none.txt")], "no files match"),
+    (
+      [
+        "sweep",
+        "--checkpoints",
+        ckpts["lca"],
+        "--task",
+        "qa",
+        "--data",
+        files["qa"],
+        "--modes",
+        "fast",
+        "--out",
+        str(tmp_path / "o"),
+      ],
+      "unknown mode 'fast'",
+    ),
   ]
   for args, msg in cases:
     rc, out, err = run_cli(capsys, *args)

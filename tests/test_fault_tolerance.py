@@ -4,6 +4,7 @@ checkpoints the completed steps, a work directory in use is refused and a dead r
 over, a killed peer makes the survivor exit within the heartbeat bound, errors of multi-process
 runs are one line, the hang watchdog. The child driver and helpers live in
 tests/test_multihost.py."""
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -27,18 +28,22 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 _spec = importlib.util.spec_from_file_location(
-    "_lca_multihost_helpers", os.path.join(ROOT, "tests", "test_multihost.py"))
+  "_lca_multihost_helpers", os.path.join(ROOT, "tests", "test_multihost.py")
+)
 mh = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mh)
 
 from conftest import assert_trees_equal, host_params  # noqa: E402
+
 import lca_jax  # noqa: E402
 from lca_jax import configs_io  # noqa: E402
 from lca_jax.cli import train as cli  # noqa: E402
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
-from lca_jax.train import loop  # noqa: E402
-from lca_jax.train import manifest  # noqa: E402
-from lca_jax.train import workdir_lock  # noqa: E402
+from lca_jax.train import (
+  loop,  # noqa: E402
+  manifest,  # noqa: E402
+  workdir_lock,  # noqa: E402
+)
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -89,8 +94,12 @@ def test_killed_mid_save_is_never_restored(tmp_path, straight):
   wd = tmp_path / "wd"
   marker = tmp_path / "saving_4"
   env = mh.child_env(8, {"hang_rename_step": 4, "hang_marker": str(marker)})
-  p = mh.Proc(["bash", os.path.join(ROOT, "launch", "single_host.sh")] +
-              mh.train_args(wd, f"train.steps={STEPS}"), env, tmp_path / "child.log")
+  p = mh.Proc(
+    ["bash", os.path.join(ROOT, "launch", "single_host.sh")]
+    + mh.train_args(wd, f"train.steps={STEPS}"),
+    env,
+    tmp_path / "child.log",
+  )
   deadline = time.time() + 400
   while not marker.exists():
     if p.p.poll() is not None or time.time() > deadline:
@@ -113,8 +122,11 @@ def test_killed_mid_save_is_never_restored(tmp_path, straight):
 
 # ---- corrupt checkpoints ------------------------------------------------------------------
 def _params_files(step_dir):
-  return sorted(f for f in glob.glob(os.path.join(step_dir, "params", "**", "*"), recursive=True)
-                if os.path.isfile(f) and f"{os.sep}d{os.sep}" in f)
+  return sorted(
+    f
+    for f in glob.glob(os.path.join(step_dir, "params", "**", "*"), recursive=True)
+    if os.path.isfile(f) and f"{os.sep}d{os.sep}" in f
+  )
 
 
 def test_corrupt_latest_falls_back_with_warning(tmp_path, straight):
@@ -132,9 +144,12 @@ def test_corrupt_latest_falls_back_with_warning(tmp_path, straight):
   with pytest.warns(manifest.CorruptCheckpointWarning, match="step 6 .* corrupt .*using step 4"):
     model = lca_jax.load(wd)
   assert model.cfg.d_model == 32
-  _resume_and_compare(wd, straight,
-                      warn_match=r"checkpoint step 6 in .* is corrupt \(params/.* missing; "
-                      r"params/.* has \d+ of \d+ bytes\); falling back to step 4")
+  _resume_and_compare(
+    wd,
+    straight,
+    warn_match=r"checkpoint step 6 in .* is corrupt \(params/.* missing; "
+    r"params/.* has \d+ of \d+ bytes\); falling back to step 4",
+  )
   assert os.path.isdir(os.path.join(wd, ckpt_lib.CORRUPT_DIR, "6"))
   assert ckpt_lib.Checkpointer(wd, read_only=True).all_steps() == [2, 4, 6]
 
@@ -148,16 +163,19 @@ def test_corrupt_latest_without_manifest_falls_back(tmp_path, straight):
   six = os.path.join(wd, "checkpoints", "6")
   os.remove(os.path.join(six, manifest.MANIFEST))
   os.remove(os.path.join(six, "params", "manifest.ocdbt"))
-  _resume_and_compare(wd, straight, warn_match="checkpoint step 6 in .* is corrupt .*; "
-                      "falling back to step 4")
+  _resume_and_compare(
+    wd, straight, warn_match="checkpoint step 6 in .* is corrupt .*; falling back to step 4"
+  )
 
 
 def test_no_readable_checkpoint_is_one_line_error(tmp_path, straight, capsys):
   wd = _copy(straight, tmp_path)
   for step in (2, 4, 6):
     os.remove(_params_files(os.path.join(wd, "checkpoints", str(step)))[0])
-  code = cli.main(["--config", mh.CONFIG, "--workdir", wd] +
-                  [f"--config.{o}" for o in mh.TINY + [f"train.steps={STEPS}"]])
+  code = cli.main(
+    ["--config", mh.CONFIG, "--workdir", wd]
+    + [f"--config.{o}" for o in mh.TINY + [f"train.steps={STEPS}"]]
+  )
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and "no readable checkpoint" in err[-1] and "step 6:" in err[-1], err
   assert "nothing was moved" in err[-1] and "Traceback" not in "\n".join(err)
@@ -168,8 +186,9 @@ def test_no_readable_checkpoint_is_one_line_error(tmp_path, straight, capsys):
 
 def test_unwritable_checkpoint_folder(tmp_path, capsys):
   (tmp_path / "checkpoints").write_text("not a folder")
-  code = cli.main(["--config", mh.CONFIG, "--workdir", str(tmp_path)] +
-                  [f"--config.{o}" for o in mh.TINY])
+  code = cli.main(
+    ["--config", mh.CONFIG, "--workdir", str(tmp_path)] + [f"--config.{o}" for o in mh.TINY]
+  )
   err = capsys.readouterr().err.strip()
   assert code == 2 and "cannot write to checkpoint folder" in err and len(err.splitlines()) == 1
 
@@ -177,16 +196,21 @@ def test_unwritable_checkpoint_folder(tmp_path, capsys):
 # ---- Ctrl-C and the work directory lock ---------------------------------------------------
 # The child gets SIGINT at its default: pytest run from a script in the background may have it
 # ignored, and lca-train leaves an ignored SIGINT ignored. (exec keeps the pid.)
-_SIGINT_DFL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-               "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+_SIGINT_DFL = (
+  "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+  "os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
+)
 
 
 def _start_training(tmp_path, wd, *overrides):
   """lca-train (the child driver, 8 devices) training ``wd`` in the background, far from done
   and without periodic checkpoints."""
-  return mh.Proc([sys.executable, "-c", _SIGINT_DFL, mh.THIS, "--child"] +
-                 mh.train_args(wd, "train.steps=100000", "train.checkpoint_every=100000",
-                               *overrides), mh.child_env(8), tmp_path / "child.log")
+  return mh.Proc(
+    [sys.executable, "-c", _SIGINT_DFL, mh.THIS, "--child"]
+    + mh.train_args(wd, "train.steps=100000", "train.checkpoint_every=100000", *overrides),
+    mh.child_env(8),
+    tmp_path / "child.log",
+  )
 
 
 def _wait_for_steps(p, wd, n, timeout=400):
@@ -220,7 +244,9 @@ def test_ctrl_c_checkpoints_the_completed_steps_and_resumes(tmp_path):
   out = p.output()
   n = len(mh.metrics(wd))
   assert rc == 130, out[-3000:]
-  assert f"lca-train: interrupted at step {n} (checkpoint saved; rerun to resume)" in out, out[-3000:]
+  assert f"lca-train: interrupted at step {n} (checkpoint saved; rerun to resume)" in out, out[
+    -3000:
+  ]
   assert "Traceback" not in out and "Ctrl-C again quits at once" in out
   assert ckpt_lib.Checkpointer(wd, read_only=True).all_steps() == [n]
   assert not os.path.exists(os.path.join(wd, workdir_lock.LOCK_FILE))
@@ -239,12 +265,16 @@ def test_second_run_on_a_live_workdir_is_refused(tmp_path, capsys):
     _wait_for_steps(p, wd, 2)
     with open(os.path.join(wd, "train_config.json")) as f:
       config_before = f.read()
-    code = cli.main(["--config", mh.CONFIG, "--workdir", wd] +
-                    [f"--config.{o}" for o in mh.TINY + ["train.steps=4", "train.seed=7"]])
+    code = cli.main(
+      ["--config", mh.CONFIG, "--workdir", wd]
+      + [f"--config.{o}" for o in mh.TINY + ["train.steps=4", "train.seed=7"]]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"lca-train: error: workdir {wd} is in use by another lca-train run "
-                             f"(pid {p.p.pid} on host {socket.gethostname()} since "), err
+    assert err[0].startswith(
+      f"lca-train: error: workdir {wd} is in use by another lca-train run "
+      f"(pid {p.p.pid} on host {socket.gethostname()} since "
+    ), err
     with open(os.path.join(wd, "train_config.json")) as f:
       assert f.read() == config_before
   finally:
@@ -262,14 +292,19 @@ def test_dead_runs_lock_is_taken_over(tmp_path, capsys):
   wd = tmp_path / "wd"
   wd.mkdir()
   dead = _dead_pid()
-  (wd / workdir_lock.LOCK_FILE).write_text(json.dumps(
-      {"pid": dead, "host": socket.gethostname(), "started": time.time() - 60}))
-  code = cli.main(["--config", mh.CONFIG, "--workdir", str(wd)] +
-                  [f"--config.{o}" for o in mh.TINY + ["train.steps=2"]])
+  (wd / workdir_lock.LOCK_FILE).write_text(
+    json.dumps({"pid": dead, "host": socket.gethostname(), "started": time.time() - 60})
+  )
+  code = cli.main(
+    ["--config", mh.CONFIG, "--workdir", str(wd)]
+    + [f"--config.{o}" for o in mh.TINY + ["train.steps=2"]]
+  )
   err = capsys.readouterr().err
   assert code == 0, err
-  assert (f"lca-train: note: taking over the lock of a run that is no longer running (pid {dead} "
-          f"on host {socket.gethostname()}") in err
+  assert (
+    f"lca-train: note: taking over the lock of a run that is no longer running (pid {dead} "
+    f"on host {socket.gethostname()}"
+  ) in err
   assert not (wd / workdir_lock.LOCK_FILE).exists()
 
 
@@ -289,13 +324,16 @@ def test_lock_in_process_and_without_flock(tmp_path, monkeypatch):
 
   def no_flock(fd, op):
     raise OSError(errno.ENOLCK, "No locks available")
+
   monkeypatch.setattr(workdir_lock.fcntl, "flock", no_flock)
   path.write_text(json.dumps({"pid": os.getppid(), "host": host}))  # alive: pytest's parent
   with pytest.raises(workdir_lock.WorkdirLockedError, match=f"pid {os.getppid()} on host {host}"):
     workdir_lock.acquire(str(tmp_path))
   path.write_text(json.dumps({"pid": 12345, "host": "elsewhere"}))
-  with pytest.raises(workdir_lock.WorkdirLockedError,
-                     match=f"host elsewhere.*remove {re.escape(str(path))} if it is not"):
+  with pytest.raises(
+    workdir_lock.WorkdirLockedError,
+    match=f"host elsewhere.*remove {re.escape(str(path))} if it is not",
+  ):
     workdir_lock.acquire(str(tmp_path))
   path.write_text(json.dumps({"pid": _dead_pid(), "host": host}))
   lock = workdir_lock.acquire(str(tmp_path))
@@ -317,12 +355,30 @@ def test_killed_peer_makes_survivor_exit(tmp_path, victim):
   stamp = tmp_path / "killed_at"
   port = mh.free_port()
   survivor = 1 - victim
-  env = mh.child_env(2, {"actions": [{"step": 1, "process": victim, "do": "sigkill_self",
-                                      "stamp": str(stamp)}]})
-  procs = [mh.Proc(["bash", MULTI, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                    "--process-id", str(i), "--heartbeat-timeout", str(HEARTBEAT), "--"] +
-                   mh.train_args(wd, "train.steps=4", *mh.MESH4), env, tmp_path / f"p{i}.log")
-           for i in (0, 1)]
+  env = mh.child_env(
+    2, {"actions": [{"step": 1, "process": victim, "do": "sigkill_self", "stamp": str(stamp)}]}
+  )
+  procs = [
+    mh.Proc(
+      [
+        "bash",
+        MULTI,
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        str(i),
+        "--heartbeat-timeout",
+        str(HEARTBEAT),
+        "--",
+      ]
+      + mh.train_args(wd, "train.steps=4", *mh.MESH4),
+      env,
+      tmp_path / f"p{i}.log",
+    )
+    for i in (0, 1)
+  ]
   rc_victim = procs[victim].wait()
   rc = procs[survivor].wait(timeout=HEARTBEAT + 120)
   ended = time.time()
@@ -330,8 +386,10 @@ def test_killed_peer_makes_survivor_exit(tmp_path, victim):
   assert rc_victim == -9, procs[victim].output()[-2000:]
   assert stamp.exists(), out[-3000:]
   elapsed = ended - float(stamp.read_text())
-  print(f"process {survivor} exited {elapsed:.1f}s after process {victim} was killed "
-        f"(heartbeat {HEARTBEAT}s), status {rc}")
+  print(
+    f"process {survivor} exited {elapsed:.1f}s after process {victim} was killed "
+    f"(heartbeat {HEARTBEAT}s), status {rc}"
+  )
   assert rc != 0, out[-3000:]
   assert "JAX distributed service detected fatal errors" in out, out[-3000:]
   assert elapsed < HEARTBEAT + 25, (elapsed, out[-3000:])
@@ -343,11 +401,27 @@ def test_multiprocess_config_error_is_one_line(tmp_path):
   """Every process sees the bad batch layout, says so in one line and exits 2 (together)."""
   port = mh.free_port()
   env = mh.child_env(2, LCA_TRAIN=f"{sys.executable} -m lca_jax.cli.train")
-  procs = [mh.Proc(["bash", MULTI, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                    "--process-id", str(i), "--heartbeat-timeout", "10", "--"] +
-                   mh.train_args(tmp_path / "wd", "train.micro_batch_size=2",
-                                 "train.global_batch_bytes=64"), env, tmp_path / f"p{i}.log")
-           for i in (0, 1)]
+  procs = [
+    mh.Proc(
+      [
+        "bash",
+        MULTI,
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        str(i),
+        "--heartbeat-timeout",
+        "10",
+        "--",
+      ]
+      + mh.train_args(tmp_path / "wd", "train.micro_batch_size=2", "train.global_batch_bytes=64"),
+      env,
+      tmp_path / f"p{i}.log",
+    )
+    for i in (0, 1)
+  ]
   for i, p in enumerate(procs):
     rc = p.wait(timeout=200)
     errs = [l for l in p.output().splitlines() if l.startswith("lca-train: error:")]
@@ -359,10 +433,27 @@ def test_multiprocess_config_error_is_one_line(tmp_path):
 def test_unreachable_coordinator_is_one_line_error(tmp_path):
   env = mh.child_env(2)
   t0 = time.time()
-  res = subprocess.run([sys.executable, "-m", "lca_jax.cli.train", "--coordinator",
-                        f"127.0.0.1:{mh.free_port()}", "--num-processes", "2", "--process-id", "1",
-                        "--init-timeout", "3"] + mh.train_args(tmp_path / "wd"),
-                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
+  res = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "lca_jax.cli.train",
+      "--coordinator",
+      f"127.0.0.1:{mh.free_port()}",
+      "--num-processes",
+      "2",
+      "--process-id",
+      "1",
+      "--init-timeout",
+      "3",
+    ]
+    + mh.train_args(tmp_path / "wd"),
+    env=env,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=200,
+  )
   errs = [l for l in res.stderr.splitlines() if l.startswith("lca-train: error:")]
   assert res.returncode == 2, res.stderr[-2000:]
   assert len(errs) == 1 and "could not reach the coordinator 127.0.0.1:" in errs[0], errs
@@ -374,10 +465,15 @@ def test_watchdog_ends_a_stuck_training_process(tmp_path):
   """lca-train --watchdog: a process stuck after its first step (here: in Python, before step
   index 2; the first checkpoint, at 2, is not timed) exits with status 3 and says where it
   was."""
-  env = mh.child_env(8, {"actions": [{"step": 2, "do": "hang", "stamp": str(tmp_path / "t")}]},
-                     LCA_WATCHDOG="5")
-  p = mh.Proc(["bash", os.path.join(ROOT, "launch", "single_host.sh")] +
-              mh.train_args(tmp_path / "wd", "train.steps=6"), env, tmp_path / "child.log")
+  env = mh.child_env(
+    8, {"actions": [{"step": 2, "do": "hang", "stamp": str(tmp_path / "t")}]}, LCA_WATCHDOG="5"
+  )
+  p = mh.Proc(
+    ["bash", os.path.join(ROOT, "launch", "single_host.sh")]
+    + mh.train_args(tmp_path / "wd", "train.steps=6"),
+    env,
+    tmp_path / "child.log",
+  )
   rc = p.wait(timeout=400)
   elapsed = time.time() - float((tmp_path / "t").read_text())
   assert rc == 3, p.output()[-3000:]
@@ -386,11 +482,19 @@ def test_watchdog_ends_a_stuck_training_process(tmp_path):
 
 
 def test_watchdog_ends_a_stuck_process():
-  code = ("import time\nfrom lca_jax.train.distributed import Watchdog\n"
-          "w = Watchdog(1.0)\nw.arm('step 7')\ntime.sleep(60)\n")
+  code = (
+    "import time\nfrom lca_jax.train.distributed import Watchdog\n"
+    "w = Watchdog(1.0)\nw.arm('step 7')\ntime.sleep(60)\n"
+  )
   t0 = time.time()
-  res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+  res = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=60,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+  )
   assert res.returncode == 3, res.stderr
   assert "no progress for" in res.stderr and "last: step 7" in res.stderr
   assert time.time() - t0 < 20

@@ -15,13 +15,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-
 from conftest import REL_REORDER, assert_close_rel  # noqa: E402
 
 from lca_jax.kernels import (  # noqa: E402
-    lca_attention, lca_attention_reference, lca_key_start, lca_mask)
+  lca_attention,
+  lca_attention_reference,
+  lca_key_start,
+  lca_mask,
+)
 from lca_jax.kernels.lca_attention import (  # noqa: E402
-    key_block_query_bounds, query_block_key_bounds)
+  key_block_query_bounds,
+  query_block_key_bounds,
+)
 
 INTERPRET = jax.default_backend() == "cpu"  # on a GPU the kernels are compiled for real
 
@@ -68,10 +73,10 @@ def scenario_rows(rng, T, restart_groups=True):
   (group ids must then be non-decreasing along the whole row).
   """
   rows = [
-      (random_groups(rng, T), [1] * T),
-      ([0] * T, [1] * T),
-      packed_row(rng, [T // 3, T // 3, -(T - 2 * (T // 3))], restart_groups),
-      packed_row(rng, [-3, T // 3, -2, T - T // 3 - 7, 2], restart_groups=False),
+    (random_groups(rng, T), [1] * T),
+    ([0] * T, [1] * T),
+    packed_row(rng, [T // 3, T // 3, -(T - 2 * (T // 3))], restart_groups),
+    packed_row(rng, [-3, T // 3, -2, T - T // 3 - 7, 2], restart_groups=False),
   ]
   seg = np.array([r[0] for r in rows], np.int32)
   doc = np.array([r[1] for r in rows], np.int32)
@@ -130,8 +135,12 @@ def test_block_bounds_cover_mask(block_q, block_k):
   seg, doc = scenario_rows(rng, 96)
   k_start = jax.jit(lca_key_start)(seg, doc)
   mask = np.asarray(jax.jit(lca_mask)(seg, doc))
-  bounds = jax.jit(lambda ks: (query_block_key_bounds(ks, block_q, block_k),
-                               key_block_query_bounds(ks, block_q, block_k)))
+  bounds = jax.jit(
+    lambda ks: (
+      query_block_key_bounds(ks, block_q, block_k),
+      key_block_query_bounds(ks, block_q, block_k),
+    )
+  )
   (kb_lo, kb_hi), (qb_lo, qb_hi) = jax.tree.map(np.asarray, bounds(k_start))
   b, i, j = np.nonzero(mask)
   qb, kb = i // block_q, j // block_k
@@ -154,9 +163,12 @@ def brute_force_attention(q, k, v, seg, doc, scale):
   out = np.zeros_like(q)
   for b in range(B):
     for i in range(T):
-      keys = [j for j in range(T)
-              if (doc is None or (doc[b, i] == doc[b, j] and doc[b, j] != 0))
-              and (j == i or seg[b, j] == seg[b, i] - 1 or (seg[b, j] == seg[b, i] and j < i))]
+      keys = [
+        j
+        for j in range(T)
+        if (doc is None or (doc[b, i] == doc[b, j] and doc[b, j] != 0))
+        and (j == i or seg[b, j] == seg[b, i] - 1 or (seg[b, j] == seg[b, i] and j < i))
+      ]
       if not keys:
         continue
       for h in range(H):
@@ -184,8 +196,7 @@ def test_reference_matches_brute_force(use_docs):
 
 # Interpret-mode kernels are large XLA programs; LLVM optimisation only slows
 # their compilation down (2-3x) without mattering for these tiny shapes.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0,
-                 "xla_llvm_disable_expensive_passes": True}
+_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def run_fast(fn, *args):
@@ -195,20 +206,23 @@ def run_fast(fn, *args):
 
 def out_and_grads(q, k, v, w, seg, doc, impl, block_q, block_k):
   """Output and (dq, dk, dv) of the linear functional ``sum(w * out)``."""
+
   def loss(q, k, v):
-    out = lca_attention(q, k, v, seg, doc_ids=doc, impl=impl, interpret=INTERPRET,
-                        block_q=block_q, block_k=block_k)
+    out = lca_attention(
+      q, k, v, seg, doc_ids=doc, impl=impl, interpret=INTERPRET, block_q=block_q, block_k=block_k
+    )
     return jnp.sum(w * out.astype(jnp.float32)), out
+
   grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
   return out, grads
 
 
 CASES = {
-    # name: (T, H, KV, D, dtype, block_q, block_k, use_docs, tolerance relative to the scale)
-    "f32_gqa2_docs_T80": (80, 4, 2, 32, jnp.float32, 16, 32, True, REL_REORDER),
-    "f32_mqa_nodocs_T50": (50, 4, 1, 16, jnp.float32, 32, 16, False, REL_REORDER),
-    "f32_mha_d64_T40": (40, 2, 2, 64, jnp.float32, 16, 16, True, REL_REORDER),
-    "bf16_gqa2_docs_T72": (72, 4, 2, 32, jnp.bfloat16, 32, 32, True, 2e-2),
+  # name: (T, H, KV, D, dtype, block_q, block_k, use_docs, tolerance relative to the scale)
+  "f32_gqa2_docs_T80": (80, 4, 2, 32, jnp.float32, 16, 32, True, REL_REORDER),
+  "f32_mqa_nodocs_T50": (50, 4, 1, 16, jnp.float32, 32, 16, False, REL_REORDER),
+  "f32_mha_d64_T40": (40, 2, 2, 64, jnp.float32, 16, 16, True, REL_REORDER),
+  "bf16_gqa2_docs_T72": (72, 4, 2, 32, jnp.bfloat16, 32, 32, True, 2e-2),
 }
 
 
@@ -223,8 +237,14 @@ def test_pallas_matches_reference(name):
   w = jnp.asarray(rng.standard_normal((4, T, H, D)), jnp.float32)
 
   run = lambda impl: run_fast(
-      functools.partial(out_and_grads, impl=impl, block_q=block_q, block_k=block_k),
-      q, k, v, w, seg, doc)
+    functools.partial(out_and_grads, impl=impl, block_q=block_q, block_k=block_k),
+    q,
+    k,
+    v,
+    w,
+    seg,
+    doc,
+  )
   ref_out, ref_grads = run("xla")
   out, grads = run("pallas")
 
@@ -243,8 +263,9 @@ def test_pallas_pads_head_dim():
   seg, doc = scenario_rows(rng, 32)
   q, k, v = random_qkv(rng, 4, 32, 2, 1, 24, jnp.float32)
   ref = run_fast(lca_attention_reference, q, k, v, seg, doc)
-  pallas = functools.partial(lca_attention, impl="pallas", interpret=INTERPRET,
-                             block_q=16, block_k=16)
+  pallas = functools.partial(
+    lca_attention, impl="pallas", interpret=INTERPRET, block_q=16, block_k=16
+  )
   out = run_fast(lambda q, k, v, seg, doc: pallas(q, k, v, seg, doc_ids=doc), q, k, v, seg, doc)
   assert_close_rel(out, ref)
 

@@ -5,6 +5,7 @@ unsharded XLA reference (forward and gradients), its compiled HLO gathers nothin
 unwrapped call gathers q/k/v over the batch), and a sharded train step of a tiny LCA-MBP with
 ``attention_impl="pallas"`` equals the ``"xla"`` one.
 """
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -16,12 +17,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
 from conftest import assert_close_rel  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 from test_kernels import _FAST_COMPILE, random_qkv, scenario_rows  # noqa: E402
-from lca_jax.kernels import lca_attention, lca_attention_reference  # noqa: E402
-from lca_jax.kernels import sharded  # noqa: E402
+
+from lca_jax.kernels import (  # noqa: E402
+  lca_attention,
+  sharded,  # noqa: E402
+)
 from lca_jax.train import sharding as shd  # noqa: E402
 
 B, T, D = 8, 40, 16
@@ -29,8 +33,9 @@ B, T, D = 8, 40, 16
 
 def make_mesh(data, fsdp, tensor, explicit=False):
   if explicit:  # sharding in types (jax.make_mesh's default); lca_jax.train uses Auto
-    return jax.make_mesh((data, fsdp, tensor), shd.AXES,
-                         axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+    return jax.make_mesh(
+      (data, fsdp, tensor), shd.AXES, axis_types=(jax.sharding.AxisType.Explicit,) * 3
+    )
   return shd.make_mesh({"data": data, "fsdp": fsdp, "tensor": tensor}, jax.devices())
 
 
@@ -43,10 +48,13 @@ def packed_batch(rng, use_docs):
 
 def out_and_grads(q, k, v, w, seg, doc, impl, shard=True):
   """Output and (dq, dk, dv) of ``sum(w * out)``."""
+
   def loss(q, k, v):
-    out = lca_attention(q, k, v, seg, doc_ids=doc, impl=impl, interpret=True,
-                        block_q=16, block_k=16, shard=shard)
+    out = lca_attention(
+      q, k, v, seg, doc_ids=doc, impl=impl, interpret=True, block_q=16, block_k=16, shard=shard
+    )
     return jnp.sum(w * out), out
+
   grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
   return out, grads
 
@@ -95,11 +103,11 @@ def test_no_wrapping_without_a_mesh():
 
 # ---- sharded kernel == unsharded XLA reference ---------------------------------------------
 CASES = {
-    # name: (mesh (data, fsdp, tensor), H, KV, use_docs, explicit axes)
-    "d2f2t2_gqa_docs": ((2, 2, 2), 4, 2, True, False),  # rows over data x fsdp, heads over tensor
-    "d2f2t2_mqa_docs": ((2, 2, 2), 4, 1, True, False),  # kv heads do not divide: replicated
-    "d8_mha_nodocs": ((8, 1, 1), 2, 2, False, False),  # rows over data only, no doc ids
-    "d2f2t2_gqa_explicit": ((2, 2, 2), 4, 2, True, True),  # inputs resharded into place
+  # name: (mesh (data, fsdp, tensor), H, KV, use_docs, explicit axes)
+  "d2f2t2_gqa_docs": ((2, 2, 2), 4, 2, True, False),  # rows over data x fsdp, heads over tensor
+  "d2f2t2_mqa_docs": ((2, 2, 2), 4, 1, True, False),  # kv heads do not divide: replicated
+  "d8_mha_nodocs": ((8, 1, 1), 2, 2, False, False),  # rows over data only, no doc ids
+  "d2f2t2_gqa_explicit": ((2, 2, 2), 4, 2, True, True),  # inputs resharded into place
 }
 
 
@@ -170,6 +178,7 @@ def test_sharded_train_step_pallas_matches_xla(fast_compile):
   del fast_compile
   from conftest import host_params  # pylint: disable=g-import-not-at-top
   from test_train import _batches, tiny_config  # pylint: disable=g-import-not-at-top
+
   from lca_jax.train import loop  # pylint: disable=g-import-not-at-top
 
   batches = [{k: np.asarray(v) for k, v in b.items()} for b in _batches(1)]
@@ -177,8 +186,9 @@ def test_sharded_train_step_pallas_matches_xla(fast_compile):
   mesh = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
   results = {}
   for impl in ("xla", "pallas"):
-    setup = loop.prepare(tiny_config("train.steps=10", f"model.attention_impl={impl}", *mesh),
-                         jax.devices())
+    setup = loop.prepare(
+      tiny_config("train.steps=10", f"model.attention_impl={impl}", *mesh), jax.devices()
+    )
     state = setup.init_state()
     with shd.mesh_context(setup.mesh):
       batch = setup.device_batch(batches[0])
@@ -193,6 +203,7 @@ def test_sharded_train_step_pallas_matches_xla(fast_compile):
       state, metrics = step(state, batch)
     results[impl] = (float(metrics["loss"]), host_params(state))
   assert_close_rel(results["pallas"][0], results["xla"][0])
-  for x, y in zip(jax.tree_util.tree_leaves(results["pallas"][1]),
-                  jax.tree_util.tree_leaves(results["xla"][1])):
+  for x, y in zip(
+    jax.tree_util.tree_leaves(results["pallas"][1]), jax.tree_util.tree_leaves(results["xla"][1])
+  ):
     assert_close_rel(x, y)

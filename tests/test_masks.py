@@ -4,6 +4,7 @@ causal: query i sees key j iff j <= i and both lie in the same non-padding docum
 LCA:    query i sees key j iff (j == i or g_j == g_i - 1 or (g_j == g_i and j < i)) and same
         non-padding document. Equivalently one contiguous key range [k_start(i), i].
 """
+
 import functools
 
 import jax
@@ -31,7 +32,7 @@ def _segmentation(seed):
     end = T - rng.integers(0, 6)  # padding at the end
     while at < end:
       n = min(int(rng.integers(1, 12)), end - at)
-      doc[r, at:at + n] = d
+      doc[r, at : at + n] = d
       at, d = at + n, d + 1
   b = (rng.uniform(size=(B, T)) < rng.uniform(0.1, 0.7, size=(B, 1))).astype(np.int32)
   nxt = np.concatenate([doc[:, 1:], np.zeros((B, 1), np.int32)], 1)
@@ -103,15 +104,24 @@ def test_masks_for_caches():
     for t in range(1, T):
       pos[r, t] = pos[r, t - 1] + 1 if doc[r, t] == doc[r, t - 1] else 0
   q_idx = np.array([0, 3, 11, 17, T - 1])
-  got = np.asarray(masks.causal_mask(jnp.asarray(doc[:, q_idx]), jnp.asarray(doc),
-                                     jnp.asarray(pos[:, q_idx]), jnp.asarray(pos)))
+  got = np.asarray(
+    masks.causal_mask(
+      jnp.asarray(doc[:, q_idx]), jnp.asarray(doc), jnp.asarray(pos[:, q_idx]), jnp.asarray(pos)
+    )
+  )
   np.testing.assert_array_equal(got, brute_causal(doc[:, q_idx], doc, pos[:, q_idx], pos))
   # within a document, position order is index order: same as the full causal mask's rows
   np.testing.assert_array_equal(got, brute_causal(doc, doc)[:, q_idx])
-  got = np.asarray(masks.lca_mask(jnp.asarray(g[:, q_idx]), jnp.asarray(doc[:, q_idx]),
-                                  jnp.asarray(g), jnp.asarray(doc),
-                                  idx_q=jnp.asarray(np.broadcast_to(q_idx, (B, len(q_idx)))),
-                                  idx_k=jnp.asarray(np.broadcast_to(np.arange(T), (B, T)))))
+  got = np.asarray(
+    masks.lca_mask(
+      jnp.asarray(g[:, q_idx]),
+      jnp.asarray(doc[:, q_idx]),
+      jnp.asarray(g),
+      jnp.asarray(doc),
+      idx_q=jnp.asarray(np.broadcast_to(q_idx, (B, len(q_idx)))),
+      idx_k=jnp.asarray(np.broadcast_to(np.arange(T), (B, T))),
+    )
+  )
   np.testing.assert_array_equal(got, brute_lca(g, doc, q_idx))
 
 
@@ -143,5 +153,6 @@ def test_kernel_masks_agree(seed):
       else:
         assert start[r, i] > i, (r, i)  # empty range for padding queries
   # the causal stacks call the kernel with all-zero group ids: then it is the causal mask
-  np.testing.assert_array_equal(np.asarray(kernel_mask(np.zeros_like(g), doc)),
-                                brute_causal(doc, doc))
+  np.testing.assert_array_equal(
+    np.asarray(kernel_mask(np.zeros_like(g), doc)), brute_causal(doc, doc)
+  )

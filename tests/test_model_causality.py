@@ -15,14 +15,15 @@ change one byte j. Then:
   Isolation is not asserted there: the static capacity is shared by the row, so a change in one
   document may move a later document's groups past the capacity (that is the documented rule).
 """
+
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import REL_REORDER, VARIANTS, random_ids, random_params, segmented_layout, tiny_config
+
 from lca_jax.model.hierarchical import ByteLM
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -35,8 +36,14 @@ CAUSAL_ATOL = 0.0  # outputs before j are computed from identical inputs: bit-id
 # another document's latents may move to other slot indices: float reordering, within this
 # fraction of each output's scale (its max |value| in the row)
 ISO_REL = REL_REORDER
-OUT_KEYS = ("ntp_logits", "mbp_logits", "mlp_mbp_logits", "boundaries", "boundaries_st",
-            "group_ids")
+OUT_KEYS = (
+  "ntp_logits",
+  "mbp_logits",
+  "mlp_mbp_logits",
+  "boundaries",
+  "boundaries_st",
+  "group_ids",
+)
 
 
 def _flip(byte_id):
@@ -59,8 +66,14 @@ def _runner(cfg):
   key = jax.random.PRNGKey(7)
 
   def one(ids, doc, pos):
-    out = model.apply({"params": params}, ids[None], doc[None], pos[None], train=True,
-                      rngs={"gumbel": key, "dropout": key})
+    out = model.apply(
+      {"params": params},
+      ids[None],
+      doc[None],
+      pos[None],
+      train=True,
+      rngs={"gumbel": key, "dropout": key},
+    )
     return {k: v[0] for k, v in out.items() if v is not None}
 
   return jax.jit(jax.vmap(one))
@@ -84,8 +97,9 @@ def _inputs():
 @functools.lru_cache(maxsize=None)
 def _run(cfg):
   ids, doc, pos, n_concat = _inputs()
-  out = jax.tree_util.tree_map(np.asarray, _runner(cfg)(jnp.asarray(ids), jnp.asarray(doc),
-                                                        jnp.asarray(pos)))
+  out = jax.tree_util.tree_map(
+    np.asarray, _runner(cfg)(jnp.asarray(ids), jnp.asarray(doc), jnp.asarray(pos))
+  )
   return out, doc, n_concat
 
 
@@ -123,8 +137,9 @@ def _check_causal(out, first_row, js, label):
   for k, j in enumerate(js, start=1):
     for name, d in _diffs(out, first_row + k, first_row).items():
       bad = np.nonzero(d[:j] > CAUSAL_ATOL)[0]
-      assert bad.size == 0, (f"{label}: changing byte {j} changed {name} at t={bad.tolist()} "
-                             f"(max {d[:j].max():.3g})")
+      assert bad.size == 0, (
+        f"{label}: changing byte {j} changed {name} at t={bad.tolist()} (max {d[:j].max():.3g})"
+      )
     nt = _diffs(out, first_row + k, first_row)["ntp_logits"]
     assert nt[j] > 1e-3, f"{label}: changing byte {j} did not change the next-byte logits at {j}"
 
@@ -165,8 +180,10 @@ def test_segmented_isolation(variant):
       if name == "group_ids":  # row-global ids shift after j; the group structure may not
         continue
       bad = np.nonzero(other & (d > atol))[0]
-      assert bad.size == 0, (f"{variant}: changing byte {j} (doc {doc[row, j]}) changed {name} "
-                             f"at t={bad.tolist()} in doc(s) {sorted(set(doc[row, bad]))}")
+      assert bad.size == 0, (
+        f"{variant}: changing byte {j} (doc {doc[row, j]}) changed {name} "
+        f"at t={bad.tolist()} in doc(s) {sorted(set(doc[row, bad]))}"
+      )
   if cfg.hierarchical:
     # forced boundary at each document's last byte; padding never closes a group
     b = out["boundaries"][n_concat]

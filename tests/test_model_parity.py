@@ -7,17 +7,17 @@ float32, another implementation on another machine), boundaries exactly; a batch
 must give each row's single-row result (within REL_REORDER: the batch shape changes matmul
 blocking).
 """
+
 import functools
 import os
 
 import numpy as np
 import pytest
-
-import lca_jax
 from conftest import REF_DIR, REF_NAMES, REL_IMPL, assert_close_rel
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
+import lca_jax
 
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 @functools.lru_cache(maxsize=None)

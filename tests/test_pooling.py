@@ -9,12 +9,13 @@ through c_t. Upsampling is the one-hot matrix M[t, s] = 1[s == u_t], u_t = cumsu
 The slot layout (one null slot per document, then one slot per closed group; capacity rule) is
 checked against a brute-force walk over the bytes.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import assert_close_rel, segmented_layout
+
 from lca_jax.model import pooling
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -52,8 +53,15 @@ def brute_plan(hard, doc, n_slots):
       # capacity rule: a slot past the capacity is read as slot S-1 when it is in the document
       r = min(last_slot, n_slots - 1)
       read[t] = r if r >= null_slot else -1
-    res.append(dict(pool=pool, read=read, nulls=[s for s in nulls if s < n_slots],
-                    closed=closed, overflow=overflow))
+    res.append(
+      dict(
+        pool=pool,
+        read=read,
+        nulls=[s for s in nulls if s < n_slots],
+        closed=closed,
+        overflow=overflow,
+      )
+    )
   return res
 
 
@@ -99,16 +107,18 @@ def _st(soft, hard, doc):
 
 
 # ---------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("packing,n_slots", [("concat", T + 1), ("concat", 6),
-                                             ("segmented", T + 1), ("segmented", 7)])
+@pytest.mark.parametrize(
+  "packing,n_slots", [("concat", T + 1), ("concat", 6), ("segmented", T + 1), ("segmented", 7)]
+)
 def test_plan_matches_brute_force(packing, n_slots):
   _, _, hard, doc = _case(packing, 0)
   plan = jax.tree_util.tree_map(np.asarray, plan_latents(hard, doc, n_slots))
   for r, want in enumerate(brute_plan(hard.astype(bool), doc, n_slots)):
     got_pool = np.where(plan.pool_BT[r], plan.slot_BT[r], -1)
     np.testing.assert_array_equal(got_pool, want["pool"], err_msg=f"row {r} pool slots")
-    np.testing.assert_array_equal(np.where(plan.read_ok_BT[r], plan.read_BT[r], -1), want["read"],
-                                  err_msg=f"row {r} read slots")
+    np.testing.assert_array_equal(
+      np.where(plan.read_ok_BT[r], plan.read_BT[r], -1), want["read"], err_msg=f"row {r} read slots"
+    )
     assert sorted(np.nonzero(plan.null_BS[r])[0].tolist()) == want["nulls"]
     assert plan.n_closed_B[r] == want["closed"] and plan.overflow_B[r] == want["overflow"]
     # every used slot belongs to one document, and positions count from its null slot
@@ -126,8 +136,9 @@ def test_plan_matches_brute_force(packing, n_slots):
     assert plan.overflow_B.sum() > 0, "the small capacity should overflow"
 
 
-@pytest.mark.parametrize("packing,n_slots", [("concat", T + 1), ("segmented", T + 1),
-                                             ("concat", 6), ("segmented", 7)])
+@pytest.mark.parametrize(
+  "packing,n_slots", [("concat", T + 1), ("segmented", T + 1), ("concat", 6), ("segmented", 7)]
+)
 def test_downsample_equals_dense(packing, n_slots):
   h, soft, hard, doc = _case(packing, 1)
   null = np.random.default_rng(2).standard_normal(D).astype(np.float32)
@@ -136,8 +147,9 @@ def test_downsample_equals_dense(packing, n_slots):
   group_np = np.asarray(plan.group_BT)
   null_np = np.asarray(plan.null_BS)
   # pairs (row, our slot, group id) for every pooled group; K = most groups in a row
-  pairs = sorted({(r, pool_np[r, t], group_np[r, t]) for r in range(B) for t in range(T)
-                  if pool_np[r, t] >= 0})
+  pairs = sorted(
+    {(r, pool_np[r, t], group_np[r, t]) for r in range(B) for t in range(T) if pool_np[r, t] >= 0}
+  )
   assert pairs, "no pooled group"
   rows, slots, groups = (np.array(x) for x in zip(*pairs))
   n_groups = int(hard.sum(1).max())
@@ -154,9 +166,11 @@ def test_downsample_equals_dense(packing, n_slots):
   def run(h_, soft_):
     """Values and gradients w.r.t. h and soft of both implementations, in one compile."""
     (_, (got_, full_)), g_ours_ = jax.value_and_grad(
-        lambda a, b: (jnp.sum(ours(a, b)[0] * ct), ours(a, b)), argnums=(0, 1), has_aux=True)(h_, soft_)
+      lambda a, b: (jnp.sum(ours(a, b)[0] * ct), ours(a, b)), argnums=(0, 1), has_aux=True
+    )(h_, soft_)
     (_, want_), g_dense_ = jax.value_and_grad(
-        lambda a, b: (jnp.sum(dense(a, b) * ct), dense(a, b)), argnums=(0, 1), has_aux=True)(h_, soft_)
+      lambda a, b: (jnp.sum(dense(a, b) * ct), dense(a, b)), argnums=(0, 1), has_aux=True
+    )(h_, soft_)
     return got_, full_, want_, g_ours_, g_dense_
 
   got, full, want, g_ours, g_dense = run(h, soft)
@@ -174,8 +188,9 @@ def test_downsample_equals_dense(packing, n_slots):
   assert np.abs(np.asarray(g_ours[1])).max() > 1e-3
 
 
-@pytest.mark.parametrize("packing,n_slots", [("concat", T + 1), ("segmented", T + 1),
-                                             ("concat", 6), ("segmented", 7)])
+@pytest.mark.parametrize(
+  "packing,n_slots", [("concat", T + 1), ("segmented", T + 1), ("concat", 6), ("segmented", 7)]
+)
 def test_upsample_equals_dense(packing, n_slots):
   _, _, hard, doc = _case(packing, 4)
   z = np.random.default_rng(5).standard_normal((B, n_slots, D)).astype(np.float32)
@@ -204,7 +219,6 @@ def test_upsample_equals_dense(packing, n_slots):
 from lca_jax.model import boundaries as bnd  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.model.config import ModelConfig  # noqa: E402  pylint: disable=g-import-not-at-top
 
-
 spacebyte = jax.jit(bnd.spacebyte_boundaries, static_argnums=1)
 
 
@@ -213,13 +227,19 @@ def _ids(text: bytes):
 
 
 def test_boundary_loss_hand_computed():
-  b = np.array([[1, 1, 1, 0, 0, 0],   # r = 3/4 (4 real bytes): above alpha by 0.45
-                [0, 0, 0, 0, 0, 0],   # r = 0: below beta by 0.2
-                [1, 0, 0, 0, 1, 1],   # r = 1/4 (padding ignored): inside [beta, alpha]
-                [0, 0, 0, 0, 0, 0]], np.float32)  # all padding: r = 0
+  b = np.array(
+    [
+      [1, 1, 1, 0, 0, 0],  # r = 3/4 (4 real bytes): above alpha by 0.45
+      [0, 0, 0, 0, 0, 0],  # r = 0: below beta by 0.2
+      [1, 0, 0, 0, 1, 1],  # r = 1/4 (padding ignored): inside [beta, alpha]
+      [0, 0, 0, 0, 0, 0],
+    ],
+    np.float32,
+  )  # all padding: r = 0
   real = np.array([[1, 1, 1, 1, 0, 0], [1] * 6, [1, 1, 1, 1, 0, 0], [0] * 6], bool)
   loss, grad = jax.jit(jax.value_and_grad(bnd.boundary_loss), static_argnums=(2, 3))(
-      jnp.asarray(b), jnp.asarray(real), 0.3, 0.2)
+    jnp.asarray(b), jnp.asarray(real), 0.3, 0.2
+  )
   assert_close_rel(loss, (0.45 + 0.2 + 0.0 + 0.2) / 4, 1e-6)
   want = np.zeros_like(b)
   want[0, :4] = 1 / 4 / 4  # d/db of (r - alpha) / 4 rows
@@ -230,7 +250,8 @@ def test_boundary_loss_hand_computed():
   assert cfg.bp_prior == pytest.approx(0.333) and cfg.bp_beta == pytest.approx(0.264)
   one_in_three = np.tile(np.array([0, 0, 1], np.float32), 10)[None]
   r_loss = jax.jit(bnd.boundary_loss, static_argnums=(2, 3))(
-      jnp.asarray(one_in_three), jnp.ones((1, 30), bool), cfg.bp_prior, cfg.bp_beta)
+    jnp.asarray(one_in_three), jnp.ones((1, 30), bool), cfg.bp_prior, cfg.bp_beta
+  )
   assert_close_rel(r_loss, 1 / 3 - 0.333, 1e-6, scale=1 / 3)  # just above the band (of rates ~1/3)
 
 
@@ -252,7 +273,9 @@ def test_inference_and_gumbel_decisions():
   assert_close_rel(g, soft * (1 - soft) / temp)  # gradient: the soft sample
 
 
-@pytest.mark.parametrize("text,max_group,want", [
+@pytest.mark.parametrize(
+  "text,max_group,want",
+  [
     # H i , _ y o u _ 2 !: a space-like byte after a non-space-like one closes
     (b"Hi, you 2!", 16, [0, 0, 1, 0, 0, 0, 0, 1, 0, 1]),
     # a run of space-like bytes closes once, at its first byte
@@ -264,7 +287,8 @@ def test_inference_and_gumbel_decisions():
     # the cap closes a group of max_group bytes; any close restarts the count
     (b"ab cdefghij", 4, [0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1]),
     (b"abcdefgh", 3, [0, 0, 1, 0, 0, 1, 0, 0]),
-])
+  ],
+)
 def test_spacebyte_rule(text, max_group, want):
   got = spacebyte(jnp.asarray(_ids(text)), max_group)
   np.testing.assert_array_equal(np.asarray(got)[0], want)

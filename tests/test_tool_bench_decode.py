@@ -5,19 +5,39 @@
 Runs on random params of a tiny LCA-MBP model (the session's ``tiny_upstream_checkpoint``);
 two of the four modes, since every mode is one engine compile (seconds each on CPU).
 """
+
 import json
 import os
 
 import pytest
-
 from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "bench_decode.py")
-TINY = ["--prompt-bytes", "16", "--new-bytes", "16", "--batch", "1", "--naive-bytes", "4",
-        "--repeats", "1", "--n", "2", "--modes", "ntp,threshold"]
-RESULT_KEYS = {"bytes_per_s", "steps", "bytes_per_step", "acceptance_rate",
-               "latent_steps_per_byte", "compile_s"}
+TINY = [
+  "--prompt-bytes",
+  "16",
+  "--new-bytes",
+  "16",
+  "--batch",
+  "1",
+  "--naive-bytes",
+  "4",
+  "--repeats",
+  "1",
+  "--n",
+  "2",
+  "--modes",
+  "ntp,threshold",
+]
+RESULT_KEYS = {
+  "bytes_per_s",
+  "steps",
+  "bytes_per_step",
+  "acceptance_rate",
+  "latent_steps_per_byte",
+  "compile_s",
+}
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -29,8 +49,16 @@ def _tool():
 def test_bench_decode_tiny(tiny_upstream_checkpoint, capsys):
   out = _tool().main(["--checkpoint", tiny_upstream_checkpoint] + TINY)
   assert json.loads(capsys.readouterr().out) == out
-  assert {"checkpoint", "device", "prompt_bytes", "new_bytes", "tau", "n", "results",
-          "ratios"} <= set(out)
+  assert {
+    "checkpoint",
+    "device",
+    "prompt_bytes",
+    "new_bytes",
+    "tau",
+    "n",
+    "results",
+    "ratios",
+  } <= set(out)
   res = out["results"]
   assert set(res) == {"ntp_b1", "threshold_b1", "naive_full_forward_b1"}
   for key in ("ntp_b1", "threshold_b1"):

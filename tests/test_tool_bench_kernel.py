@@ -6,17 +6,23 @@ object).
 ``--small``: tiny shapes and Pallas interpret mode, so it runs on CPU (the times mean nothing);
 one block configuration, since each is two interpret-mode compiles.
 """
+
 import json
 import os
 
 import pytest
-
 from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "bench_kernel.py")
-TIMES = {"fwd_ms", "fwd_bwd_ms", "fwd_tflops_unmasked", "fwd_bwd_tflops_unmasked",
-         "fwd_tflops_dense_equiv", "fwd_bwd_tflops_dense_equiv"}
+TIMES = {
+  "fwd_ms",
+  "fwd_bwd_ms",
+  "fwd_tflops_unmasked",
+  "fwd_bwd_tflops_unmasked",
+  "fwd_tflops_dense_equiv",
+  "fwd_bwd_tflops_dense_equiv",
+}
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -29,8 +35,14 @@ def test_bench_kernel_small(capsys):
   out = _tool().main(["--small", "--pallas-blocks", "32x32", "--dtype", "float32"])
   assert json.loads(capsys.readouterr().out) == out
   assert {"device", "backend", "jax", "interpret", "shape", "lca", "results"} <= set(out)
-  assert out["interpret"] and out["shape"] == {"B": 2, "T": 96, "H": 4, "KV": 2, "D": 32,
-                                               "dtype": "float32"}
+  assert out["interpret"] and out["shape"] == {
+    "B": 2,
+    "T": 96,
+    "H": 4,
+    "KV": 2,
+    "D": 32,
+    "dtype": "float32",
+  }
   assert 0 < out["lca"]["density_vs_dense"] < 1
   # the tool records a failing implementation as {"error": ...} and goes on: none may fail here
   assert set(out["results"]) == {"pallas_32x32", "xla_dense", "sdpa_causal"}

@@ -1,7 +1,8 @@
 """Smoke test of tools/bench_train.py (training throughput of a config, one JSON object).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest -q tests/test_tool_bench_train.py
+XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest -q tests/test_tool_bench_train.py
 """
+
 import os
 
 from conftest import load_tool
@@ -10,13 +11,40 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "bench_train.py")
 
 # 8 rows: one per virtual host device; 32 bytes each, one micro-batch per step.
-TINY = ["--config.model.d_model=32", "--config.model.d_inner=64", "--config.model.n_heads=2",
-        "--config.model.n_kv_heads=2", "--config.model.n_lm=1", "--config.model.n_mbp=1",
-        "--config.data.seq_len=32", "--config.train.micro_batch_size=8",
-        "--config.train.global_batch_bytes=256", "--config.train.progress_bar=False"]
-KEYS = {"config", "backend", "device_kind", "devices", "mesh", "params", "dtype", "seq_len", "rows",
-        "accum", "bytes_per_step", "warmup_steps", "timed_steps", "init_s", "warmup_s",
-        "step_time_s", "bytes_per_s", "tflops_per_device", "mfu", "final_loss"}
+TINY = [
+  "--config.model.d_model=32",
+  "--config.model.d_inner=64",
+  "--config.model.n_heads=2",
+  "--config.model.n_kv_heads=2",
+  "--config.model.n_lm=1",
+  "--config.model.n_mbp=1",
+  "--config.data.seq_len=32",
+  "--config.train.micro_batch_size=8",
+  "--config.train.global_batch_bytes=256",
+  "--config.train.progress_bar=False",
+]
+KEYS = {
+  "config",
+  "backend",
+  "device_kind",
+  "devices",
+  "mesh",
+  "params",
+  "dtype",
+  "seq_len",
+  "rows",
+  "accum",
+  "bytes_per_step",
+  "warmup_steps",
+  "timed_steps",
+  "init_s",
+  "warmup_s",
+  "step_time_s",
+  "bytes_per_s",
+  "tflops_per_device",
+  "mfu",
+  "final_loss",
+}
 
 
 def _tool():
@@ -24,8 +52,10 @@ def _tool():
 
 
 def test_bench_train_tiny(capsys):
-  out = _tool().main(["--config", os.path.join(ROOT, "configs", "tiny_lca_mbp.py"),
-                      "--steps", "1", "--warmup", "1"] + TINY)
+  out = _tool().main(
+    ["--config", os.path.join(ROOT, "configs", "tiny_lca_mbp.py"), "--steps", "1", "--warmup", "1"]
+    + TINY
+  )
   assert KEYS <= set(out)
   assert out["seq_len"] == 32 and out["rows"] == 8 and out["bytes_per_step"] == 256
   assert out["timed_steps"] == 1 and out["warmup_steps"] == 1

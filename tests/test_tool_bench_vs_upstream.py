@@ -7,18 +7,32 @@ The throughput run needs a checkout of the paper's code (the folder holding
 src/model/modern_fxt.py) named by LCA_UPSTREAM_SRC; without one it is skipped. The bad-input
 checks run always.
 """
+
 import os
 
 import pytest
-
 from conftest import load_tool
 
 pytest.importorskip("torch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "bench_vs_upstream.py")
-TINY = ["--d-model", "32", "--d-inner", "64", "--n-heads", "2", "--layers", "1,1,1,1",
-        "--shapes", "1x64", "--steps", "1", "--warmup", "1"]
+TINY = [
+  "--d-model",
+  "32",
+  "--d-inner",
+  "64",
+  "--n-heads",
+  "2",
+  "--layers",
+  "1,1,1,1",
+  "--shapes",
+  "1x64",
+  "--steps",
+  "1",
+  "--warmup",
+  "1",
+]
 
 
 def _tool():
@@ -28,8 +42,10 @@ def _tool():
 def _upstream_src():
   src = os.environ.get("LCA_UPSTREAM_SRC", "").strip()
   if not src:
-    pytest.skip("no upstream checkout: set LCA_UPSTREAM_SRC to the paper's code "
-                "(the folder holding src/model/modern_fxt.py)")
+    pytest.skip(
+      "no upstream checkout: set LCA_UPSTREAM_SRC to the paper's code "
+      "(the folder holding src/model/modern_fxt.py)"
+    )
   if not os.path.isfile(os.path.join(src, "src", "model", "modern_fxt.py")):
     pytest.skip(f"LCA_UPSTREAM_SRC={src} holds no src/model/modern_fxt.py")
   return src
@@ -40,7 +56,9 @@ def test_train_tiny():
   assert set(out) >= {"machine", "model", "params", "shapes"}
   assert out["machine"]["cores"] == os.cpu_count() and out["machine"]["torch"]
   assert out["params"]["match"], out["params"]
-  assert out["params"]["lca_jax"] - out["params"]["lca_jax_vocab_padding"] == out["params"]["upstream"]
+  assert (
+    out["params"]["lca_jax"] - out["params"]["lca_jax_vocab_padding"] == out["params"]["upstream"]
+  )
   r = out["shapes"]["1x64"]
   for side in ("upstream", "lca_jax"):
     assert r[side]["bytes_per_s"] > 0 and r[side]["step_s"] > 0
@@ -49,11 +67,14 @@ def test_train_tiny():
   assert r["ratio"] == pytest.approx(r["lca_jax"]["bytes_per_s"] / r["upstream"]["bytes_per_s"])
 
 
-@pytest.mark.parametrize("argv, needle", [
+@pytest.mark.parametrize(
+  "argv, needle",
+  [
     (["train"], "--upstream-src"),
     (["train", "--upstream-src", "/nonexistent/upstream"], "no such directory"),
     (["train", "--upstream-src", ROOT], "not the paper's code"),
-])
+  ],
+)
 def test_bad_upstream_src(argv, needle, capsys):
   with pytest.raises(SystemExit) as e:
     _tool().main(argv)

@@ -1,7 +1,8 @@
 """Smoke test of tools/count_params.py (parameter counts of config files, JSON).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest -q tests/test_tool_count_params.py
+XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest -q tests/test_tool_count_params.py
 """
+
 import json
 import os
 

@@ -6,10 +6,10 @@ Runs on random params of a tiny LCA-MBP model (the session's ``tiny_upstream_che
 the text is noise; the test checks that every section is printed and that no decoding path
 fell back or failed.
 """
+
 import os
 
 import pytest
-
 from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,16 +29,21 @@ def _no_fallback(text):
 
 def test_demo_sample_engine(tiny_upstream_checkpoint, capsys):
   """model.generate: ntp, threshold, a sampled continuation; segmentation of held-out text."""
-  rc = _tool().main(["--checkpoint", tiny_upstream_checkpoint, "--heldout-bytes", "12",
-                     "--temperature", "0.7"] + TINY)
+  rc = _tool().main(
+    ["--checkpoint", tiny_upstream_checkpoint, "--heldout-bytes", "12", "--temperature", "0.7"]
+    + TINY
+  )
   out = capsys.readouterr().out
   assert rc == 0
   _no_fallback(out)
   assert out.startswith("model: hierarchical, d=32, layers enc/lm/dec/mbp = 1/1/1/1")
-  for title in ("== next-byte (ntp) [model.generate] ==",
-                "== multi-byte (threshold, tau=0.5, n=2) [model.generate] ==",
-                "== sampled next-byte (temperature 0.7, seed 0) [model.generate] ==",
-                "== learned segmentation", "== segmentation of held-out text (first 12 bytes"):
+  for title in (
+    "== next-byte (ntp) [model.generate] ==",
+    "== multi-byte (threshold, tau=0.5, n=2) [model.generate] ==",
+    "== sampled next-byte (temperature 0.7, seed 0) [model.generate] ==",
+    "== learned segmentation",
+    "== segmentation of held-out text (first 12 bytes",
+  ):
     assert title in out, title
   assert "bytes/step histogram" in out
   assert "boundaries in 12 bytes" in out and "boundary probability min" in out
@@ -46,8 +51,18 @@ def test_demo_sample_engine(tiny_upstream_checkpoint, capsys):
 
 def test_demo_sample_reference_loop(tiny_upstream_checkpoint, capsys):
   """--reference: the full-forward loop in both modes; sampling and held-out text skipped."""
-  rc = _tool().main(["--checkpoint", tiny_upstream_checkpoint, "--reference",
-                     "--heldout-bytes", "0", "--temperature", "0"] + TINY)
+  rc = _tool().main(
+    [
+      "--checkpoint",
+      tiny_upstream_checkpoint,
+      "--reference",
+      "--heldout-bytes",
+      "0",
+      "--temperature",
+      "0",
+    ]
+    + TINY
+  )
   out = capsys.readouterr().out
   assert rc == 0
   _no_fallback(out)

@@ -8,13 +8,13 @@ nvidia-smi on PATH that log their arguments and succeed. The test checks the scr
 its wheel handling, that every part runs and is summarised, that each test file and tool it
 names exists and that the options it passes to the tools parse.
 """
+
 import os
 import shlex
 import shutil
 import subprocess
 
 import pytest
-
 from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,10 +25,9 @@ STUB = """#!/usr/bin/env bash
     "$@"; echo; } >> "$STUB_LOG"
 """
 
-pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
-                                reason="needs bash and timeout")
-
-
+pytestmark = pytest.mark.skipif(
+  shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout"
+)
 
 
 def _rehearse(tmp_path, *args, demo=False, wheels=None):
@@ -46,12 +45,23 @@ def _rehearse(tmp_path, *args, demo=False, wheels=None):
     (bin_dir / name).chmod(0o755)
   log = tmp_path / "calls.log"
   log.touch()
-  env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OUT": str(out),
-         "STUB_LOG": str(log), "HOME": str(tmp_path)}
+  env = {
+    "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    "OUT": str(out),
+    "STUB_LOG": str(log),
+    "HOME": str(tmp_path),
+  }
   if wheels is not None:
     env["WHEELS_DIR"] = str(wheels)
-  proc = subprocess.run(["bash", SCRIPT, *args], cwd=work, env=env, capture_output=True,
-                        text=True, timeout=60, check=False)
+  proc = subprocess.run(
+    ["bash", SCRIPT, *args],
+    cwd=work,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=60,
+    check=False,
+  )
   calls = []
   for line in log.read_text().splitlines():
     prog, pythonpath, platforms, *argv = shlex.split(line)
@@ -90,7 +100,8 @@ def test_rehearsal(tmp_path, demo):
       # the options the script passes are the tool's own
       load_tool(os.path.splitext(os.path.basename(argv[0]))[0]).parse_args(argv[1:])
   assert ran == ["tests/test_kernels.py", "tools/bench_kernel.py"] + (
-      ["tools/bench_decode.py"] if demo else []) + ["tests/test_decode.py"]
+    ["tools/bench_decode.py"] if demo else []
+  ) + ["tests/test_decode.py"]
 
 
 def test_wheels_installed_first(tmp_path):

@@ -1,5 +1,6 @@
 """Training system: loss goes down, exact resume, SIGTERM, sharded step == 1 device, NaN stop,
 CLI errors. Tiny model (d 32, T 32) on the bundled demo corpus, 8 fake CPU devices."""
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -17,11 +18,14 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 from conftest import TRAIN_TINY, assert_close_rel, assert_trees_equal, host_params  # noqa: E402
+
 from lca_jax import configs_io  # noqa: E402
 from lca_jax.cli import train as cli  # noqa: E402
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
-from lca_jax.train import inputs  # noqa: E402
-from lca_jax.train import loop  # noqa: E402
+from lca_jax.train import (
+  inputs,  # noqa: E402
+  loop,  # noqa: E402
+)
 from lca_jax.train import sharding as shd  # noqa: E402
 from lca_jax.train.errors import NonFiniteLossError  # noqa: E402
 
@@ -54,19 +58,27 @@ def straight(tmp_path_factory, fast_compile):
   del fast_compile
   wd = str(tmp_path_factory.mktemp("straight"))
   rec = Recorder()
-  res = loop.train_and_evaluate(tiny_config(f"train.steps={2 * N}"),
-                                wd, on_step=rec)
+  res = loop.train_and_evaluate(tiny_config(f"train.steps={2 * N}"), wd, on_step=rec)
   return dict(workdir=wd, params=host_params(res.state), batches=rec.batches, result=res)
 
 
 def test_loss_decreases(tmp_path):
-  res = loop.train_and_evaluate(tiny_config("train.steps=40"),
-                                str(tmp_path))
+  res = loop.train_and_evaluate(tiny_config("train.steps=40"), str(tmp_path))
   assert res.step == 40 and not res.stopped
   lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert [l["step"] for l in lines] == list(range(1, 41))
-  for key in ("loss", "bpb_ntp", "bpb_mbp", "bp_loss", "bytes_per_latent", "overflow", "lr",
-              "grad_norm", "bytes_per_s", "step_time"):
+  for key in (
+    "loss",
+    "bpb_ntp",
+    "bpb_mbp",
+    "bp_loss",
+    "bytes_per_latent",
+    "overflow",
+    "lr",
+    "grad_norm",
+    "bytes_per_s",
+    "step_time",
+  ):
     assert key in lines[0]
   first = np.mean([l["loss"] for l in lines[:5]])
   last = np.mean([l["loss"] for l in lines[-5:]])
@@ -78,8 +90,7 @@ def test_loss_decreases(tmp_path):
 def test_exact_resume(tmp_path, straight):
   wd = str(tmp_path)
   rec = Recorder()
-  first = loop.train_and_evaluate(tiny_config(f"train.steps={N}"),
-                                  wd, on_step=rec)
+  first = loop.train_and_evaluate(tiny_config(f"train.steps={N}"), wd, on_step=rec)
   assert first.step == N
   second = loop.train_and_evaluate(tiny_config(f"train.steps={2 * N}"), wd, on_step=rec)
   assert second.step == 2 * N
@@ -110,8 +121,10 @@ def test_sigterm_checkpoints_and_resumes(tmp_path, straight):
 def test_sharded_step_matches_single_device():
   batches = [{k: np.asarray(v) for k, v in b.items()} for b in _batches(2)]
   results = []
-  for mesh, devs in ((("mesh.data=1",), jax.devices()[:1]),
-                     (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), jax.devices())):
+  for mesh, devs in (
+    (("mesh.data=1",), jax.devices()[:1]),
+    (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), jax.devices()),
+  ):
     setup = loop.prepare(tiny_config("train.steps=10", *mesh), devs)
     state = setup.init_state()
     losses = []
@@ -124,7 +137,9 @@ def test_sharded_step_matches_single_device():
       assert tuple(spec) == ("fsdp", "tensor")
     results.append((losses, host_params(state)))
   assert_close_rel(results[0][0], results[1][0])
-  for x, y in zip(jax.tree_util.tree_leaves(results[0][1]), jax.tree_util.tree_leaves(results[1][1])):
+  for x, y in zip(
+    jax.tree_util.tree_leaves(results[0][1]), jax.tree_util.tree_leaves(results[1][1])
+  ):
     assert_close_rel(x, y)
 
 
@@ -140,7 +155,8 @@ def _batches(n):
 
 def test_nonfinite_loss_stops_without_checkpoint(tmp_path):
   def poison(batch):
-    batch["ids"][:] = 10 ** 6  # out-of-range ids: NaN embeddings
+    batch["ids"][:] = 10**6  # out-of-range ids: NaN embeddings
+
   cfg = tiny_config("train.steps=6", "train.checkpoint_every=2")
   with pytest.raises(NonFiniteLossError, match="non-finite loss at step 4"):
     loop.train_and_evaluate(cfg, str(tmp_path), on_step=Recorder(fire_at=3, action=poison))
@@ -149,8 +165,10 @@ def test_nonfinite_loss_stops_without_checkpoint(tmp_path):
 
 # ---- CLI errors: one line, no traceback ---------------------------------------------------
 def run_cli(capsys, workdir, *overrides):
-  code = cli.main(["--config", os.path.join(ROOT, "configs", "tiny_lca_mbp.py"), "--workdir",
-                   str(workdir)] + [f"--config.{o}" for o in TINY + list(overrides)])
+  code = cli.main(
+    ["--config", os.path.join(ROOT, "configs", "tiny_lca_mbp.py"), "--workdir", str(workdir)]
+    + [f"--config.{o}" for o in TINY + list(overrides)]
+  )
   err = capsys.readouterr().err.strip()
   return code, err
 
@@ -161,12 +179,15 @@ def test_cli_unknown_config_key(tmp_path, capsys):
   assert "Traceback" not in err and len(err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("overrides,needle", [
+@pytest.mark.parametrize(
+  "overrides,needle",
+  [
     (("data.train_files=/nonexistent/dir/*.parquet", "data.format=parquet"), "no files match"),
     (("train.global_batch_bytes=1000",), "not a multiple of train.micro_batch_size * data.seq_len"),
     (("train.micro_batch_size=4", "train.global_batch_bytes=256"), "cannot be divided over the 8"),
     (("mesh.data=3",), "mesh"),
-])
+  ],
+)
 def test_cli_clear_errors(tmp_path, capsys, overrides, needle):
   code, err = run_cli(capsys, tmp_path, *overrides)
   assert code == 2 and needle in err, err
@@ -181,8 +202,9 @@ def test_cli_unwritable_workdir(tmp_path, capsys):
 
 
 def test_cli_config_mismatch_names_fields(straight, capsys):
-  code, err = run_cli(capsys, straight["workdir"], f"train.steps={2 * N}", "model.d_inner=128",
-                      "optim.lr=1e-3")
+  code, err = run_cli(
+    capsys, straight["workdir"], f"train.steps={2 * N}", "model.d_inner=128", "optim.lr=1e-3"
+  )
   assert code == 2 and "does not match the checkpoint" in err
   assert "model.d_inner: checkpoint 64, now 128" in err and "optim.lr" in err
   assert len(err.splitlines()) == 1
@@ -193,8 +215,9 @@ def test_cli_no_usable_record_stops_in_one_line(tmp_path, capsys):
   loop over new epochs)."""
   bad = tmp_path / "bad.jsonl"
   bad.write_bytes(b"not json\n" * 30 + b'{"body": "no text key"}\n' * 5)
-  code, err = run_cli(capsys, tmp_path / "wd", f"data.train_files={bad}", "data.format=jsonl",
-                      "train.steps=3")
+  code, err = run_cli(
+    capsys, tmp_path / "wd", f"data.train_files={bad}", "data.format=jsonl", "train.steps=3"
+  )
   last = err.splitlines()[-1]
   assert code == 2 and last.startswith(f"lca-train: error: no usable document in {bad}: "), err
   assert "a whole epoch of its 35 records was skipped (bad_json " in last, last
@@ -205,20 +228,27 @@ def test_cli_trains_on_non_utf8_text_and_counts_skipped_records(tmp_path, capsys
   """Latin-1 text and random bytes are bytes to train on (exit 0); a jsonl's bad lines are
   skipped, and their count is in metrics.jsonl (an integer, cumulative) and the summary line."""
   latin = tmp_path / "latin1.txt"
-  latin.write_bytes(("Voil\u00e0 un texte en fran\u00e7ais, cod\u00e9 en Latin-1.\n\n" * 20)
-                    .encode("latin-1"))
+  latin.write_bytes(
+    ("Voil\u00e0 un texte en fran\u00e7ais, cod\u00e9 en Latin-1.\n\n" * 20).encode("latin-1")
+  )
   noise = tmp_path / "noise.txt"
   noise.write_bytes(np.random.default_rng(0).bytes(4000))
-  code, err = run_cli(capsys, tmp_path / "wd1", f"data.train_files={latin},{noise}",
-                      "data.format=text", "train.steps=2")
+  code, err = run_cli(
+    capsys,
+    tmp_path / "wd1",
+    f"data.train_files={latin},{noise}",
+    "data.format=text",
+    "train.steps=2",
+  )
   assert code == 0 and "lca-train: done at step 2" in err and "skipped" not in err, err
   mixed = tmp_path / "mixed.jsonl"
   with open(mixed, "wb") as f:  # ~600 bytes of documents per epoch: 3 steps read every line
     for i in range(6):
       f.write(json.dumps({"text": f"document {i} " + "words " * 15}).encode() + b"\n")
       f.write(b"{broken json\n")
-  code, err = run_cli(capsys, tmp_path / "wd2", f"data.train_files={mixed}", "data.format=jsonl",
-                      "train.steps=3")
+  code, err = run_cli(
+    capsys, tmp_path / "wd2", f"data.train_files={mixed}", "data.format=jsonl", "train.steps=3"
+  )
   assert code == 0, err
   lines = [json.loads(l) for l in open(tmp_path / "wd2" / "metrics.jsonl")]
   counts = [l["skipped_records"] for l in lines]
@@ -228,6 +258,7 @@ def test_cli_trains_on_non_utf8_text_and_counts_skipped_records(tmp_path, capsys
 
 def test_metrics_lines_after_resume_point_are_dropped(tmp_path):
   from lca_jax.train import metrics
+
   path = tmp_path / "metrics.jsonl"
   path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 25, 50, 75)))
   metrics.MetricsWriter(str(tmp_path), tensorboard=False, start_step=50).close()

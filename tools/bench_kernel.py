@@ -41,7 +41,9 @@ from lca_jax.kernels import lca_attention, lca_key_start  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--small", action="store_true", help="tiny shapes, interpret mode (CPU smoke test)")
+  p.add_argument(
+    "--small", action="store_true", help="tiny shapes, interpret mode (CPU smoke test)"
+  )
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--seq", type=int, default=4096)
   p.add_argument("--heads", type=int, default=8)
@@ -50,8 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
   p.add_argument("--max-group", type=int, default=40, help="segment lengths ~ U[1, max-group]")
   p.add_argument("--docs-per-row", type=int, default=1, help="pack this many documents per row")
-  p.add_argument("--pallas-blocks", default="32x32,64x64,128x64",
-                 help="comma-separated block_q x block_k configs, e.g. 32x32,64x64,128x64")
+  p.add_argument(
+    "--pallas-blocks",
+    default="32x32,64x64,128x64",
+    help="comma-separated block_q x block_k configs, e.g. 32x32,64x64,128x64",
+  )
   p.add_argument("--num-warps", type=int, default=None)
   p.add_argument("--num-stages", type=int, default=2)
   p.add_argument("--iters", type=int, default=20)
@@ -113,8 +118,14 @@ def build_impls(args, seg, doc):
       for blocks in args.pallas_blocks.split(","):
         bq, bk = map(int, blocks.split("x"))
         impls[f"pallas_{bq}x{bk}"] = functools.partial(
-            lca, impl="pallas", interpret=args.small, block_q=bq, block_k=bk,
-            num_warps=args.num_warps, num_stages=args.num_stages)
+          lca,
+          impl="pallas",
+          interpret=args.small,
+          block_q=bq,
+          block_k=bk,
+          num_warps=args.num_warps,
+          num_stages=args.num_stages,
+        )
     elif name == "xla_dense":
       impls[name] = functools.partial(lca, impl="xla")
     elif name == "sdpa_causal":
@@ -135,8 +146,9 @@ def add_comparisons(report: dict, outputs: dict) -> None:
   for other in ("xla_dense", "sdpa_causal"):
     if "fwd_ms" in res.get(other, {}):
       report[f"speedup_pallas_vs_{other}"] = {
-          "fwd": res[other]["fwd_ms"] / res[best]["fwd_ms"],
-          "fwd_bwd": res[other]["fwd_bwd_ms"] / res[best]["fwd_bwd_ms"]}
+        "fwd": res[other]["fwd_ms"] / res[best]["fwd_ms"],
+        "fwd_bwd": res[other]["fwd_bwd_ms"] / res[best]["fwd_bwd_ms"],
+      }
   if "xla_dense" in outputs:
     diff = jnp.abs(outputs[best].astype(jnp.float32) - outputs["xla_dense"].astype(jnp.float32))
     report["max_abs_diff_pallas_vs_xla"] = float(jnp.max(diff))
@@ -158,14 +170,19 @@ def main(argv=None) -> dict:
   flops_fwd = lambda pairs: 4.0 * H * D * pairs
 
   report = {
-      "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
-      "jax": jax.__version__, "interpret": args.small,
-      "shape": {"B": B, "T": T, "H": H, "KV": KV, "D": D, "dtype": args.dtype},
-      "pallas_launch": {"num_warps": args.num_warps, "num_stages": args.num_stages},
-      "lca": {"max_group": args.max_group, "docs_per_row": args.docs_per_row,
-              "mean_keys_per_query": lca_pairs / (B * T),
-              "density_vs_dense": lca_pairs / dense_pairs},
-      "results": {},
+    "device": str(jax.devices()[0].device_kind),
+    "backend": jax.default_backend(),
+    "jax": jax.__version__,
+    "interpret": args.small,
+    "shape": {"B": B, "T": T, "H": H, "KV": KV, "D": D, "dtype": args.dtype},
+    "pallas_launch": {"num_warps": args.num_warps, "num_stages": args.num_stages},
+    "lca": {
+      "max_group": args.max_group,
+      "docs_per_row": args.docs_per_row,
+      "mean_keys_per_query": lca_pairs / (B * T),
+      "density_vs_dense": lca_pairs / dense_pairs,
+    },
+    "results": {},
   }
   outputs = {}
   for name, attn in build_impls(args, seg, doc).items():
@@ -180,11 +197,12 @@ def main(argv=None) -> dict:
       continue
     tflops = lambda flops, ms: flops / (ms * 1e-3) / 1e12
     report["results"][name] = {
-        "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
-        "fwd_tflops_unmasked": tflops(flops_fwd(pairs), fwd_ms),
-        "fwd_bwd_tflops_unmasked": tflops(3.5 * flops_fwd(pairs), fwd_bwd_ms),
-        "fwd_tflops_dense_equiv": tflops(flops_fwd(dense_pairs), fwd_ms),
-        "fwd_bwd_tflops_dense_equiv": tflops(3.5 * flops_fwd(dense_pairs), fwd_bwd_ms),
+      "fwd_ms": fwd_ms,
+      "fwd_bwd_ms": fwd_bwd_ms,
+      "fwd_tflops_unmasked": tflops(flops_fwd(pairs), fwd_ms),
+      "fwd_bwd_tflops_unmasked": tflops(3.5 * flops_fwd(pairs), fwd_bwd_ms),
+      "fwd_tflops_dense_equiv": tflops(flops_fwd(dense_pairs), fwd_ms),
+      "fwd_bwd_tflops_dense_equiv": tflops(3.5 * flops_fwd(dense_pairs), fwd_bwd_ms),
     }
 
   add_comparisons(report, outputs)

@@ -9,6 +9,7 @@ dropout as configured, loss weights 1/1/10) on random bytes, compiled and run on
 then timed ``--repeats`` times; ``fwd_bwd_s_per_row`` is the median step time divided by the
 batch size (``cpu_s_per_row``: the same in process CPU time, all threads). Parameter counts come from the abstract init (no weights materialised twice).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+import flax.linen as nn  # noqa: E402  pylint: disable=g-import-not-at-top
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top
 import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top
-import flax.linen as nn  # noqa: E402  pylint: disable=g-import-not-at-top
 
 from lca_jax import configs_io  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.model.config import ModelConfig  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -75,17 +76,17 @@ def bench_one(cfg: ModelConfig, seq_len: int, batch: int, repeats: int, seed: in
     cpu.append(time.process_time() - c)
   med = statistics.median(times)
   res = {
-      "params": count_params(params),
-      "fwd_bwd_s_per_row": med / batch,
-      "fwd_bwd_s_median": med,
-      "runs_s": [round(x, 4) for x in times],
-      # CPU seconds of this process (all threads) per row: less sensitive to other load on a
-      # shared machine than wall time
-      "cpu_s_per_row": statistics.median(cpu) / batch,
-      "bytes_per_s": batch * seq_len / med,
-      "init_s": round(t1 - t0, 2),
-      "compile_and_first_step_s": round(t2 - t1, 2),
-      "loss": float(loss),
+    "params": count_params(params),
+    "fwd_bwd_s_per_row": med / batch,
+    "fwd_bwd_s_median": med,
+    "runs_s": [round(x, 4) for x in times],
+    # CPU seconds of this process (all threads) per row: less sensitive to other load on a
+    # shared machine than wall time
+    "cpu_s_per_row": statistics.median(cpu) / batch,
+    "bytes_per_s": batch * seq_len / med,
+    "init_s": round(t1 - t0, 2),
+    "compile_and_first_step_s": round(t2 - t1, 2),
+    "loss": float(loss),
   }
   for k in ("bytes_per_latent", "overflow"):
     if k in metrics:
@@ -94,13 +95,20 @@ def bench_one(cfg: ModelConfig, seq_len: int, batch: int, repeats: int, seed: in
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   ap.add_argument("configs", nargs="*", help="config files (default: configs/tiny_*.py)")
   ap.add_argument("--seq-len", type=int, default=4096)
   ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--repeats", type=int, default=3)
-  ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                  help="override a model config field (repeatable)")
+  ap.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="FIELD=VALUE",
+    help="override a model config field (repeatable)",
+  )
   args = ap.parse_args(argv)
   paths = args.configs or sorted(glob.glob(os.path.join(ROOT, "configs", "tiny_*.py")))
   if not paths:
@@ -112,11 +120,21 @@ def main(argv=None):
     results[name] = bench_one(cfg, args.seq_len, args.batch, args.repeats)
     print(f"{name}: {results[name]['fwd_bwd_s_per_row']:.3f} s/row", file=sys.stderr, flush=True)
   dev = jax.devices()[0]
-  print(json.dumps({
-      "backend": jax.default_backend(), "device": str(getattr(dev, "device_kind", dev)),
-      "jax": jax.__version__, "seq_len": args.seq_len, "batch": args.batch,
-      "repeats": args.repeats, "overrides": args.set, "results": results,
-  }, indent=1))
+  print(
+    json.dumps(
+      {
+        "backend": jax.default_backend(),
+        "device": str(getattr(dev, "device_kind", dev)),
+        "jax": jax.__version__,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "repeats": args.repeats,
+        "overrides": args.set,
+        "results": results,
+      },
+      indent=1,
+    )
+  )
 
 
 if __name__ == "__main__":

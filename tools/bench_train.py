@@ -18,6 +18,7 @@ the compiled step's temp memory (``memory_analysis``), its largest buffer and ev
 two dimensions >= T (there should be none). ``--lower-only`` stops there (no data, no
 parameters allocated: paper-scale configs on a small machine).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,17 +62,22 @@ def step_costs(setup, group_len=None) -> dict:
   # XLA counts the micro-batch scan body once too (accum > 1): scale the model part.
   executed = xla * p.accum + loops["flops"] * p.accum
   mem = compiled.memory_analysis()
-  out = dict(compile_s=round(compile_s, 2), xla_flops=xla, executed_flops=executed,
-             useful_flops=useful["total"] * p.accum,
-             executed_over_useful=executed / (useful["total"] * p.accum),
-             useful_flops_by_stage={k: v * p.accum for k, v in useful.items() if k != "total"},
-             attention_tiles=loops["tiles"], latent_capacity=int(lplan.null_BS.shape[1]),
-             latent_slots_used=int(jnp.max(jnp.sum(lplan.slot_doc_BS != 0, axis=1))),
-             temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0)),
-             argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0)))
+  out = dict(
+    compile_s=round(compile_s, 2),
+    xla_flops=xla,
+    executed_flops=executed,
+    useful_flops=useful["total"] * p.accum,
+    executed_over_useful=executed / (useful["total"] * p.accum),
+    useful_flops_by_stage={k: v * p.accum for k, v in useful.items() if k != "total"},
+    attention_tiles=loops["tiles"],
+    latent_capacity=int(lplan.null_BS.shape[1]),
+    latent_slots_used=int(jnp.max(jnp.sum(lplan.slot_doc_BS != 0, axis=1))),
+    temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0)),
+    argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0)),
+  )
   out.update(costs.buffers(compiled.as_text(), p.seq_len))
   # The residual stream is [tokens, d_model] everywhere: at T == d_model it looks like T x T.
-  out["t_by_t_check"] = ("ambiguous: T equals d_model" if p.seq_len == cfg.d_model else "exact")
+  out["t_by_t_check"] = "ambiguous: T equals d_model" if p.seq_len == cfg.d_model else "exact"
   return out
 
 
@@ -84,16 +90,23 @@ def run_steps(config, setup, steps: int, warmup: int) -> dict:
   ms, dt, init_s, warm_s = timed["metrics"], timed["step_s"], timed["init_s"], timed["warmup_s"]
   bpl = sum(float(m.get("bytes_per_latent", 0.0)) for m in ms) / max(len(ms), 1) or None
   n_dev = setup.mesh.devices.size
-  flops = metrics.train_flops_per_step(setup.model_cfg, setup.abstract.params, plan.rows,
-                                       plan.seq_len, bpl)
+  flops = metrics.train_flops_per_step(
+    setup.model_cfg, setup.abstract.params, plan.rows, plan.seq_len, bpl
+  )
   peak = metrics.peak_flops_per_device(override_tflops=float(config.train.peak_tflops))
   return dict(
-      warmup_steps=warmup, timed_steps=steps, init_s=round(init_s, 3),
-      warmup_s=round(warm_s, 3), step_time_s=dt, bytes_per_s=plan.bytes_per_step / dt,
-      tflops_per_device=flops / dt / n_dev / 1e12,
-      mfu=(flops / dt / (n_dev * peak)) if peak else None,
-      bytes_per_latent=bpl, overflow=sum(float(m.get("overflow", 0.0)) for m in ms),
-      final_loss=float(ms[-1]["loss"]) if ms else None)
+    warmup_steps=warmup,
+    timed_steps=steps,
+    init_s=round(init_s, 3),
+    warmup_s=round(warm_s, 3),
+    step_time_s=dt,
+    bytes_per_s=plan.bytes_per_step / dt,
+    tflops_per_device=flops / dt / n_dev / 1e12,
+    mfu=(flops / dt / (n_dev * peak)) if peak else None,
+    bytes_per_latent=bpl,
+    overflow=sum(float(m.get("overflow", 0.0)) for m in ms),
+    final_loss=float(ms[-1]["loss"]) if ms else None,
+  )
 
 
 def main(argv=None):
@@ -101,23 +114,38 @@ def main(argv=None):
   ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny_lca_mbp.py"))
   ap.add_argument("--steps", type=int, default=20)
   ap.add_argument("--warmup", type=int, default=3)
-  ap.add_argument("--lower-only", action="store_true",
-                  help="compile and report costs only (no data, no run)")
-  ap.add_argument("--group-len", type=float, default=None,
-                  help="bytes per group of the layout the useful FLOPs assume (1/bp_prior)")
+  ap.add_argument(
+    "--lower-only", action="store_true", help="compile and report costs only (no data, no run)"
+  )
+  ap.add_argument(
+    "--group-len",
+    type=float,
+    default=None,
+    help="bytes per group of the layout the useful FLOPs assume (1/bp_prior)",
+  )
   args, rest = ap.parse_known_args(argv)
 
-  config = configs_io.apply_overrides(configs_io.load_config(args.config),
-                                     configs_io.split_overrides(rest))
+  config = configs_io.apply_overrides(
+    configs_io.load_config(args.config), configs_io.split_overrides(rest)
+  )
   setup = loop.prepare(config)
   plan = setup.plan
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(setup.abstract.params))
   out = dict(
-      config=os.path.relpath(args.config, ROOT), backend=jax.default_backend(),
-      device_kind=jax.devices()[0].device_kind, devices=setup.mesh.devices.size,
-      mesh=dict(setup.mesh.shape), params=int(n_params), dtype=setup.model_cfg.dtype,
-      attention_impl=setup.model_cfg.attention_impl, seq_len=plan.seq_len, rows=plan.rows,
-      micro_batch=plan.micro, accum=plan.accum, bytes_per_step=plan.bytes_per_step)
+    config=os.path.relpath(args.config, ROOT),
+    backend=jax.default_backend(),
+    device_kind=jax.devices()[0].device_kind,
+    devices=setup.mesh.devices.size,
+    mesh=dict(setup.mesh.shape),
+    params=int(n_params),
+    dtype=setup.model_cfg.dtype,
+    attention_impl=setup.model_cfg.attention_impl,
+    seq_len=plan.seq_len,
+    rows=plan.rows,
+    micro_batch=plan.micro,
+    accum=plan.accum,
+    bytes_per_step=plan.bytes_per_step,
+  )
   out["cost"] = step_costs(setup, args.group_len)
   if not args.lower_only:
     out.update(run_steps(config, setup, args.steps, args.warmup))

@@ -27,6 +27,7 @@ JSON object: per shape the bytes/s and seconds per optimizer step of both sides 
 counts of both sides (equal once lca_jax's vocabulary padding rows are removed). Bad input is
 reported in one line on stderr with exit status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,7 @@ import jaxlib  # noqa: E402  pylint: disable=g-import-not-at-top
 import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top
 import torch  # noqa: E402  pylint: disable=g-import-not-at-top
 
-from lca_jax import configs_io  # noqa: E402  pylint: disable=g-import-not-at-top
-from lca_jax import vocab  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax import configs_io, vocab  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.data.errors import DataError  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.interop.upstream import config_to_upstream  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.model.config import ConfigError  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -111,7 +111,9 @@ def _check_upstream_src(path: str) -> str:
     raise BenchError(f"--upstream-src {path}: no such directory")
   want = os.path.join(path, *UPSTREAM_MODULE.split(".")) + ".py"
   if not os.path.isfile(want):
-    raise BenchError(f"--upstream-src {path}: not the paper's code (no {os.path.relpath(want, path)})")
+    raise BenchError(
+      f"--upstream-src {path}: not the paper's code (no {os.path.relpath(want, path)})"
+    )
   return path
 
 
@@ -119,27 +121,47 @@ def _parser():
   ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
   sub = ap.add_subparsers(dest="cmd", required=True, metavar="{train}")
   tr = sub.add_parser("train", help="training throughput (bytes/s, s per optimizer step)")
-  tr.add_argument("--upstream-src", required=True, metavar="DIR",
-                  help="checkout of the paper's code (holds src/model/modern_fxt.py)")
+  tr.add_argument(
+    "--upstream-src",
+    required=True,
+    metavar="DIR",
+    help="checkout of the paper's code (holds src/model/modern_fxt.py)",
+  )
   tr.add_argument("--shapes", default="4x1024,1x4096", help="ROWSxBYTES per step, comma separated")
   tr.add_argument("--steps", type=int, default=10, help="timed optimizer steps per side and shape")
-  tr.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1; lca_jax compiles)")
+  tr.add_argument(
+    "--warmup", type=int, default=2, help="untimed steps first (>= 1; lca_jax compiles)"
+  )
   tr.add_argument("--d-model", type=int, default=256)
   tr.add_argument("--d-inner", type=int, default=1024)
   tr.add_argument("--n-heads", type=int, default=4)
   tr.add_argument("--n-kv-heads", type=int, default=0, help="0 = --n-heads")
   tr.add_argument("--layers", default="2,4,2,2", help="ENC,LM,DEC,MBP layer counts")
-  tr.add_argument("--max-latent-ratio", type=float, default=0.0,
-                  help="lca_jax's static latent capacity per byte (0 = auto from the boundary "
-                       "prior, ModelConfig.latent_ratio; configs/lca_mbp.py's default)")
+  tr.add_argument(
+    "--max-latent-ratio",
+    type=float,
+    default=0.0,
+    help="lca_jax's static latent capacity per byte (0 = auto from the boundary "
+    "prior, ModelConfig.latent_ratio; configs/lca_mbp.py's default)",
+  )
   tr.add_argument("--dropout", type=float, default=0.0)
-  tr.add_argument("--clip", type=float, default=0.25, help="global grad-norm clip, both sides (0 = off)")
+  tr.add_argument(
+    "--clip", type=float, default=0.25, help="global grad-norm clip, both sides (0 = off)"
+  )
   tr.add_argument("--lr", type=float, default=3e-4)
   tr.add_argument("--seed", type=int, default=0)
-  tr.add_argument("--data", default="", metavar="FILE",
-                  help="local text file(s), comma separated (default: the bundled demo corpus)")
-  tr.add_argument("--torch-device", default="cpu", choices=("cpu", "cuda", "auto"),
-                  help="auto = cuda when jax runs on a GPU and torch sees one")
+  tr.add_argument(
+    "--data",
+    default="",
+    metavar="FILE",
+    help="local text file(s), comma separated (default: the bundled demo corpus)",
+  )
+  tr.add_argument(
+    "--torch-device",
+    default="cpu",
+    choices=("cpu", "cuda", "auto"),
+    help="auto = cuda when jax runs on a GPU and torch sees one",
+  )
   return ap
 
 
@@ -156,12 +178,20 @@ def cpu_model() -> str:
 
 
 def machine_info(torch_device: str) -> dict:
-  info = dict(cpu_model=cpu_model(), cores=os.cpu_count(), platform=platform.platform(),
-              python=platform.python_version(), jax=jax.__version__,
-              jaxlib=getattr(jaxlib, "__version__", None), torch=torch.__version__,
-              jax_backend=jax.default_backend(), jax_device_kind=jax.devices()[0].device_kind,
-              jax_devices=len(jax.devices()),
-              torch_device=torch_device, torch_threads=torch.get_num_threads())
+  info = dict(
+    cpu_model=cpu_model(),
+    cores=os.cpu_count(),
+    platform=platform.platform(),
+    python=platform.python_version(),
+    jax=jax.__version__,
+    jaxlib=getattr(jaxlib, "__version__", None),
+    torch=torch.__version__,
+    jax_backend=jax.default_backend(),
+    jax_device_kind=jax.devices()[0].device_kind,
+    jax_devices=len(jax.devices()),
+    torch_device=torch_device,
+    torch_threads=torch.get_num_threads(),
+  )
   if torch_device == "cuda":
     info["torch_cuda_device"] = torch.cuda.get_device_name(0)
   return info
@@ -173,21 +203,45 @@ def lca_overrides(args, layers, b: int, t: int, data: str, max_seq_len: int):
   ``--config.key=value``)."""
   enc, lm, dec, mbp = layers
   kv = args.n_kv_heads or args.n_heads
-  return ["model.kind=hierarchical", "model.boundaries=learned", f"model.d_model={args.d_model}",
-          f"model.d_inner={args.d_inner}", f"model.n_heads={args.n_heads}",
-          f"model.n_kv_heads={kv}", f"model.n_enc={enc}", f"model.n_lm={lm}",
-          f"model.n_dec={dec}", f"model.n_mbp={mbp}", "model.n_mlp_mbp=0",
-          f"model.max_latent_ratio={args.max_latent_ratio}", f"model.dropout={args.dropout}",
-          "model.dtype=float32", "model.attention_impl=xla", f"model.max_seq_len={max_seq_len}",
-          "data.format=text", f"data.train_files={data}", "data.packing=concat",
-          "data.worker_count=0", f"optim.lr={args.lr}", "optim.weight_decay=0.0", "optim.b1=0.9",
-          "optim.b2=0.999", "optim.eps=1e-08", f"optim.clip_norm={args.clip}",
-          f"train.seed={args.seed}", f"train.lambda_ntp={LAMBDAS[0]}",
-          f"train.lambda_mbp={LAMBDAS[1]}", f"train.lambda_bp={LAMBDAS[2]}",
-          "train.progress_bar=False", "train.tensorboard=False",
-          f"train.steps={args.warmup + args.steps}",
-          # the shape
-          f"data.seq_len={t}", f"train.micro_batch_size={b}", f"train.global_batch_bytes={b * t}"]
+  return [
+    "model.kind=hierarchical",
+    "model.boundaries=learned",
+    f"model.d_model={args.d_model}",
+    f"model.d_inner={args.d_inner}",
+    f"model.n_heads={args.n_heads}",
+    f"model.n_kv_heads={kv}",
+    f"model.n_enc={enc}",
+    f"model.n_lm={lm}",
+    f"model.n_dec={dec}",
+    f"model.n_mbp={mbp}",
+    "model.n_mlp_mbp=0",
+    f"model.max_latent_ratio={args.max_latent_ratio}",
+    f"model.dropout={args.dropout}",
+    "model.dtype=float32",
+    "model.attention_impl=xla",
+    f"model.max_seq_len={max_seq_len}",
+    "data.format=text",
+    f"data.train_files={data}",
+    "data.packing=concat",
+    "data.worker_count=0",
+    f"optim.lr={args.lr}",
+    "optim.weight_decay=0.0",
+    "optim.b1=0.9",
+    "optim.b2=0.999",
+    "optim.eps=1e-08",
+    f"optim.clip_norm={args.clip}",
+    f"train.seed={args.seed}",
+    f"train.lambda_ntp={LAMBDAS[0]}",
+    f"train.lambda_mbp={LAMBDAS[1]}",
+    f"train.lambda_bp={LAMBDAS[2]}",
+    "train.progress_bar=False",
+    "train.tensorboard=False",
+    f"train.steps={args.warmup + args.steps}",
+    # the shape
+    f"data.seq_len={t}",
+    f"train.micro_batch_size={b}",
+    f"train.global_batch_bytes={b * t}",
+  ]
 
 
 SHAPE_KEYS = ("data.seq_len=", "train.micro_batch_size=", "train.global_batch_bytes=")
@@ -204,7 +258,7 @@ def lca_config(args, layers, b: int, t: int, data: str, max_seq_len: int):
 def jax_devices_for(rows: int):
   """The first gcd(#devices, rows) devices: the rows of a step divide over the mesh."""
   devs = jax.devices()
-  return devs[:math.gcd(len(devs), rows)]
+  return devs[: math.gcd(len(devs), rows)]
 
 
 def read_rows(config, plan, n: int):
@@ -225,10 +279,15 @@ def bench_lca(setup, host, warmup: int) -> dict:
   ms, step_s = timed["metrics"], timed["step_s"]
   init_s, compile_s = timed["init_s"], timed["first_step_s"]
   bpl = [float(x["bytes_per_latent"]) for x in ms if "bytes_per_latent" in x]
-  return dict(bytes_per_s=setup.plan.bytes_per_step / step_s, step_s=step_s,
-              compile_s=compile_s, init_s=init_s, devices=int(setup.mesh.devices.size),
-              bytes_per_latent=(sum(bpl) / len(bpl)) if bpl else None,
-              final_loss=float(ms[-1]["loss"]))
+  return dict(
+    bytes_per_s=setup.plan.bytes_per_step / step_s,
+    step_s=step_s,
+    compile_s=compile_s,
+    init_s=init_s,
+    devices=int(setup.mesh.devices.size),
+    bytes_per_latent=(sum(bpl) / len(bpl)) if bpl else None,
+    final_loss=float(ms[-1]["loss"]),
+  )
 
 
 # ---- upstream side --------------------------------------------------------------------------
@@ -238,15 +297,18 @@ def import_upstream(src: str):
   if have is not None:
     where = [os.path.abspath(p) for p in getattr(have, "__path__", [])]
     if os.path.join(src, "src") not in where:
-      raise BenchError(f"a different 'src' package is already imported ({where}); "
-                       f"cannot import the paper's code from {src}")
+      raise BenchError(
+        f"a different 'src' package is already imported ({where}); "
+        f"cannot import the paper's code from {src}"
+      )
   if src not in sys.path:
     sys.path.insert(0, src)
   try:
     mod = importlib.import_module(UPSTREAM_MODULE)
   except Exception as e:  # pylint: disable=broad-except  (any failure: one line, exit 2)
-    raise BenchError(f"--upstream-src {src}: cannot import {UPSTREAM_MODULE} "
-                     f"({type(e).__name__}: {e})") from None
+    raise BenchError(
+      f"--upstream-src {src}: cannot import {UPSTREAM_MODULE} ({type(e).__name__}: {e})"
+    ) from None
   cls = getattr(mod, "FxTTransformerLM", None)
   if cls is None:
     raise BenchError(f"--upstream-src {src}: {UPSTREAM_MODULE} has no FxTTransformerLM")
@@ -275,7 +337,9 @@ def build_upstream(cls, uc: dict, device: str, seed: int):
   try:
     model = cls(upstream_cfg(uc))
   except Exception as e:  # pylint: disable=broad-except
-    raise BenchError(f"the paper's FxTTransformerLM rejects this model ({type(e).__name__}: {e})") from None
+    raise BenchError(
+      f"the paper's FxTTransformerLM rejects this model ({type(e).__name__}: {e})"
+    ) from None
   return model.to(device=device, dtype=torch.float32).train()
 
 
@@ -306,8 +370,9 @@ def bench_upstream(cls, uc: dict, host, warmup: int, device: str, args) -> dict:
 
 def _bench_upstream(cls, uc: dict, host, warmup: int, device: str, args) -> dict:
   model = build_upstream(cls, uc, device, args.seed)
-  opt = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
-                         weight_decay=0.0)
+  opt = torch.optim.Adam(
+    model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+  )
   sid = upstream_script_id(uc)
   for b in host[:warmup]:
     upstream_step(model, opt, b["ids"], device, sid, args.clip)
@@ -325,9 +390,12 @@ def _bench_upstream(cls, uc: dict, host, warmup: int, device: str, args) -> dict
   rows, t = host[0]["ids"].shape
   # shortened_length: null group + the most groups of any row in the batch
   groups = [float(x) - 1 for x in s_len if x is not None]
-  return dict(bytes_per_s=rows * t / step_s, step_s=step_s,
-              bytes_per_latent=(t * len(groups) / sum(groups)) if groups and sum(groups) > 0 else None,
-              final_loss=float(losses[-1]))
+  return dict(
+    bytes_per_s=rows * t / step_s,
+    step_s=step_s,
+    bytes_per_latent=(t * len(groups) / sum(groups)) if groups and sum(groups) > 0 else None,
+    final_loss=float(losses[-1]),
+  )
 
 
 def upstream_params(cls, uc: dict) -> int:
@@ -383,13 +451,13 @@ def run_train(args) -> dict:
       config, _ = lca_config(args, layers, b, t, data, max_seq_len)
       setup = loop.prepare(config, jax_devices_for(b))
       host = read_rows(config, setup.plan, args.warmup + args.steps)
-    except (ConfigError, configs_io.ConfigFileError, TrainError, DataError,
-            shd.MeshError) as e:
+    except (ConfigError, configs_io.ConfigFileError, TrainError, DataError, shd.MeshError) as e:
       raise BenchError(f"shape {key}: {e}") from None
     top = max(int(np.max(h["ids"])) for h in host)
     if top >= uc["lm_vocab_size"]:  # the same ids must mean the same bytes on both sides
-      raise BenchError(f"shape {key}: id {top} is outside upstream's vocabulary "
-                       f"({uc['lm_vocab_size']} ByT5 ids)")
+      raise BenchError(
+        f"shape {key}: id {top} is outside upstream's vocabulary ({uc['lm_vocab_size']} ByT5 ids)"
+      )
     if n_ours is None:
       n_ours = n_params_jax(setup.abstract.params)
     print(f"{PROG}: {key}: upstream ...", file=sys.stderr, flush=True)
@@ -401,21 +469,40 @@ def run_train(args) -> dict:
   pad = (model_cfg.vocab_size - model_cfg.n_tokens) * model_cfg.d_model * 2  # embedding + head rows
   enc, lm, dec, mbp = layers
   return dict(
-      machine=machine_info(device),
-      model=dict(d_model=model_cfg.d_model, d_inner=model_cfg.d_inner, n_heads=model_cfg.n_heads,
-                 n_kv_heads=model_cfg.n_kv_heads, layers=dict(enc=enc, lm=lm, dec=dec, mbp=mbp),
-                 upstream_model_config=uc["model_config"], max_latent_ratio=args.max_latent_ratio,
-                 dropout=args.dropout, dtype="float32", n_tokens=model_cfg.n_tokens,
-                 vocab_size=model_cfg.vocab_size, upstream_lm_vocab_size=uc["lm_vocab_size"],
-                 upstream_script_id=upstream_script_id(uc), eos_id=vocab.EOS_ID,
-                 lambdas=dict(ntp=LAMBDAS[0], mbp=LAMBDAS[1], bp=LAMBDAS[2]),
-                 optimizer=dict(name="adam", lr=args.lr, b1=0.9, b2=0.999, eps=1e-8, clip=args.clip)),
-      params=dict(upstream=n_up, lca_jax=n_ours, lca_jax_vocab_padding=pad,
-                  lca_jax_without_padding=n_ours - pad, match=(n_ours - pad) == n_up),
-      data=data or "bundled demo corpus (lca_jax/data/corpus, train split)",
-      upstream_src=src, base_config=os.path.relpath(BASE_CONFIG, ROOT),
-      lca_train_overrides=[f"--config.{o}" for o in overrides0 if not o.startswith(SHAPE_KEYS)],
-      steps=args.steps, warmup=args.warmup, shapes=results)
+    machine=machine_info(device),
+    model=dict(
+      d_model=model_cfg.d_model,
+      d_inner=model_cfg.d_inner,
+      n_heads=model_cfg.n_heads,
+      n_kv_heads=model_cfg.n_kv_heads,
+      layers=dict(enc=enc, lm=lm, dec=dec, mbp=mbp),
+      upstream_model_config=uc["model_config"],
+      max_latent_ratio=args.max_latent_ratio,
+      dropout=args.dropout,
+      dtype="float32",
+      n_tokens=model_cfg.n_tokens,
+      vocab_size=model_cfg.vocab_size,
+      upstream_lm_vocab_size=uc["lm_vocab_size"],
+      upstream_script_id=upstream_script_id(uc),
+      eos_id=vocab.EOS_ID,
+      lambdas=dict(ntp=LAMBDAS[0], mbp=LAMBDAS[1], bp=LAMBDAS[2]),
+      optimizer=dict(name="adam", lr=args.lr, b1=0.9, b2=0.999, eps=1e-8, clip=args.clip),
+    ),
+    params=dict(
+      upstream=n_up,
+      lca_jax=n_ours,
+      lca_jax_vocab_padding=pad,
+      lca_jax_without_padding=n_ours - pad,
+      match=(n_ours - pad) == n_up,
+    ),
+    data=data or "bundled demo corpus (lca_jax/data/corpus, train split)",
+    upstream_src=src,
+    base_config=os.path.relpath(BASE_CONFIG, ROOT),
+    lca_train_overrides=[f"--config.{o}" for o in overrides0 if not o.startswith(SHAPE_KEYS)],
+    steps=args.steps,
+    warmup=args.warmup,
+    shapes=results,
+  )
 
 
 def main(argv=None):

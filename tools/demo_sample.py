@@ -8,6 +8,7 @@ segmentation of a sentence.
 reads). Decoding uses ``model.generate`` (lca_jax.decode) when it is installed, else a plain
 reference loop that reruns the full forward for every byte (labelled as such).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,6 +39,7 @@ def reference_loop(model, prompt: str, max_bytes: int, tau=None) -> dict:
   too when its probability is >= tau (docs/design.md §6.3, n = 2).
   """
   from lca_jax import vocab  # pylint: disable=g-import-not-at-top
+
   ids = list(vocab.encode(prompt))
   start, steps, limit = len(ids), 0, len(ids) + max_bytes
   t0 = time.perf_counter()
@@ -46,10 +48,11 @@ def reference_loop(model, prompt: str, max_bytes: int, tau=None) -> dict:
     # pad to a multiple of 64 (fewer shapes to compile) and read the last real position.
     t = len(ids) - 1
     padded = np.zeros(-(-len(ids) // 64) * 64, np.int32)
-    padded[:len(ids)] = ids
+    padded[: len(ids)] = ids
     out = model.forward(padded)
-    out = {k: (out[k][: t + 1] if out.get(k) is not None else None)
-           for k in ("ntp_logits", "mbp_logits")}
+    out = {
+      k: (out[k][: t + 1] if out.get(k) is not None else None) for k in ("ntp_logits", "mbp_logits")
+    }
     steps += 1
     nxt = int(np.argmax(out["ntp_logits"][-1]))
     if nxt == vocab.EOS_ID:
@@ -63,13 +66,13 @@ def reference_loop(model, prompt: str, max_bytes: int, tau=None) -> dict:
       if p[cand] >= tau and cand != vocab.EOS_ID:
         ids.append(cand)
   gen = np.asarray(ids[start:], np.int32)
-  return dict(text=vocab.decode(gen), bytes=len(gen), steps=steps,
-              seconds=time.perf_counter() - t0)
+  return dict(text=vocab.decode(gen), bytes=len(gen), steps=steps, seconds=time.perf_counter() - t0)
 
 
 def segmentation(model, sentence: str) -> str:
   """The sentence with '|' after every byte whose learned boundary is 1 (closes a group)."""
   from lca_jax import vocab  # pylint: disable=g-import-not-at-top
+
   ids = vocab.encode(sentence)
   b = model.forward(ids)["boundaries"]
   if b is None:
@@ -80,7 +83,7 @@ def segmentation(model, sentence: str) -> str:
   pieces, i = [], 0
   for ch in sentence:
     n = len(ch.encode("utf-8"))
-    pieces.append(ch + ("|" if np.any(b[i:i + n]) else ""))
+    pieces.append(ch + ("|" if np.any(b[i : i + n]) else ""))
     i += n
   text = "".join(pieces)
   n_b = int(np.sum(b))
@@ -88,8 +91,10 @@ def segmentation(model, sentence: str) -> str:
   text += f"\n-- {n_b} boundaries in {len(raw)} bytes ({per})"
   probs = boundary_probs(model, ids)
   if probs is not None:
-    text += (f"; boundary probability min {probs.min():.2f} / mean {probs.mean():.2f} / "
-             f"max {probs.max():.2f} (a byte closes its group when > 0.5")
+    text += (
+      f"; boundary probability min {probs.min():.2f} / mean {probs.mean():.2f} / "
+      f"max {probs.max():.2f} (a byte closes its group when > 0.5"
+    )
     if probs.max() - probs.min() < 0.1:
       text += "; nearly constant: the predictor has only learned its prior rate so far"
     text += ")"
@@ -103,11 +108,13 @@ def boundary_probs(model, ids):
     return None
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
   x = jnp.asarray(ids, jnp.int32)[None]
 
   def fn(mod, x):
     h = mod.encode(x, jnp.ones_like(x), jnp.arange(x.shape[1], dtype=jnp.int32)[None])
     return mod.boundary_logits(h)
+
   # jitted: one compile instead of one per op (seconds on CPU)
   logits = jax.jit(lambda p, x: model.module.apply({"params": p}, x, method=fn))(model.params, x)
   return np.asarray(jax.nn.sigmoid(logits.astype(jnp.float32))).reshape(-1)
@@ -127,6 +134,7 @@ def training_summary(path: str) -> str:
       return json.loads(rows[-1]) if rows else None
     except ValueError:
       return None
+
   ev, tr = last("eval.jsonl"), last("metrics.jsonl")
   parts = []
   if ev:
@@ -146,8 +154,11 @@ def heldout_snippet(n_bytes: int) -> str:
   if n_bytes <= 0:
     return ""
   try:
-    from lca_jax.data import demo  # pylint: disable=g-import-not-at-top
-    from lca_jax.data import read_documents  # pylint: disable=g-import-not-at-top
+    from lca_jax.data import (
+      demo,  # pylint: disable=g-import-not-at-top
+      read_documents,  # pylint: disable=g-import-not-at-top
+    )
+
     every = demo.DEMO_HOLDOUT_EVERY
     for i, doc in enumerate(read_documents([demo.demo_corpus_path()], "text")):
       if i % every == every - 1 and len(doc.encode("utf-8")) >= n_bytes:
@@ -166,33 +177,52 @@ def main(argv=None):
   ap.add_argument("--tau", type=float, default=0.5)
   ap.add_argument("--n", type=int, default=3)
   ap.add_argument("--reference", action="store_true", help="force the reference loop")
-  ap.add_argument("--temperature", type=float, default=0.7,
-                  help="also show a sampled next-byte continuation at this temperature (0: skip)")
+  ap.add_argument(
+    "--temperature",
+    type=float,
+    default=0.7,
+    help="also show a sampled next-byte continuation at this temperature (0: skip)",
+  )
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--heldout-bytes", type=int, default=160,
-                  help="also segment this many bytes of held-out demo-corpus text (0: skip)")
+  ap.add_argument(
+    "--heldout-bytes",
+    type=int,
+    default=160,
+    help="also segment this many bytes of held-out demo-corpus text (0: skip)",
+  )
   args = ap.parse_args(argv)
 
   import lca_jax  # pylint: disable=g-import-not-at-top
+
   try:
     model = lca_jax.load(args.checkpoint)
   except lca_jax.LoadError as e:
     print(f"demo_sample: error: {e}", file=sys.stderr)
     return 2
   cfg = model.cfg
-  print(f"model: {cfg.kind}, d={cfg.d_model}, layers enc/lm/dec/mbp = "
-        f"{cfg.n_enc}/{cfg.n_lm}/{cfg.n_dec}/{cfg.n_mbp} ({args.checkpoint})")
+  print(
+    f"model: {cfg.kind}, d={cfg.d_model}, layers enc/lm/dec/mbp = "
+    f"{cfg.n_enc}/{cfg.n_lm}/{cfg.n_dec}/{cfg.n_mbp} ({args.checkpoint})"
+  )
   summary = training_summary(args.checkpoint)
   if summary:
     print(summary)
   print(f"prompt: {_visible(args.prompt)!r}\n")
 
-  use_engine = (not args.reference and importlib.util.find_spec("lca_jax.decode") is not None
-                and importlib.util.find_spec("lca_jax.decode.engine") is not None)
+  use_engine = (
+    not args.reference
+    and importlib.util.find_spec("lca_jax.decode") is not None
+    and importlib.util.find_spec("lca_jax.decode.engine") is not None
+  )
   modes = [("next-byte (ntp)", dict(mode="ntp"), None)]
   if cfg.has_mbp:
-    modes.append((f"multi-byte (threshold, tau={args.tau}, n={args.n})",
-                  dict(mode="threshold", tau=args.tau, n=args.n), args.tau))
+    modes.append(
+      (
+        f"multi-byte (threshold, tau={args.tau}, n={args.n})",
+        dict(mode="threshold", tau=args.tau, n=args.n),
+        args.tau,
+      )
+    )
   else:
     print("(no multi-byte head in this model: threshold decoding skipped)\n")
   for title, kw, tau in modes:
@@ -210,22 +240,33 @@ def main(argv=None):
       extra = ""
       if kw["mode"] != "ntp":
         extra = f", acceptance {res.acceptance_rate:.2f}, bytes/step histogram {res.histogram}"
-      print(f"-- {nbytes} bytes in {steps} steps ({nbytes / max(steps, 1):.2f} bytes/step{extra})\n")
+      print(
+        f"-- {nbytes} bytes in {steps} steps ({nbytes / max(steps, 1):.2f} bytes/step{extra})\n"
+      )
     else:
       if kw["mode"] != "ntp":
         title = f"multi-byte (threshold, tau={args.tau}, n=2)"
       res = reference_loop(model, args.prompt, args.max_bytes, tau)
       print(f"== {title} [reference loop: full forward per step] ==")
       print(args.prompt + res["text"])
-      print(f"-- {res['bytes']} bytes in {res['steps']} steps "
-            f"({res['bytes'] / max(res['steps'], 1):.2f} bytes/step)\n")
+      print(
+        f"-- {res['bytes']} bytes in {res['steps']} steps "
+        f"({res['bytes'] / max(res['steps'], 1):.2f} bytes/step)\n"
+      )
 
   if use_engine and args.temperature > 0:
     # Greedy decoding of a model this small falls into loops; a sample shows what it learned.
     try:
-      res = model.generate([args.prompt], max_bytes=args.max_bytes, mode="ntp",
-                           temperature=args.temperature, seed=args.seed)
-      print(f"== sampled next-byte (temperature {args.temperature}, seed {args.seed}) [model.generate] ==")
+      res = model.generate(
+        [args.prompt],
+        max_bytes=args.max_bytes,
+        mode="ntp",
+        temperature=args.temperature,
+        seed=args.seed,
+      )
+      print(
+        f"== sampled next-byte (temperature {args.temperature}, seed {args.seed}) [model.generate] =="
+      )
       print(args.prompt + res.texts[0] + "\n")
     except Exception as e:  # pylint: disable=broad-except
       print(f"(sampling failed: {type(e).__name__}: {e})\n")
@@ -234,7 +275,9 @@ def main(argv=None):
   print(segmentation(model, args.sentence))
   held = heldout_snippet(args.heldout_bytes)
   if held and cfg.hierarchical:
-    print(f"\n== segmentation of held-out text (first {len(held.encode())} bytes of a held-out paragraph) ==")
+    print(
+      f"\n== segmentation of held-out text (first {len(held.encode())} bytes of a held-out paragraph) =="
+    )
     print(segmentation(model, held).replace("\n", "\\n", held.count("\n")))
   return 0
 

@@ -1,4 +1,5 @@
 """Shared CLI plumbing: one-line errors (exit status 2) instead of tracebacks."""
+
 from __future__ import annotations
 
 import os

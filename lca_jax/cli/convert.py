@@ -11,6 +11,7 @@ and train.init_from=DIR fine-tunes from; with --config (and the same overrides l
 get) it holds a full train state that `lca-train --config FILE --workdir DIR` resumes.
 Errors are one line on stderr, exit status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,15 +40,27 @@ def _parser():
   t.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
   t.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
   f = sub.add_parser("from-torch", help="import into an lca-train work directory")
-  f.add_argument("--torch-dir", required=True, help="directory with config.json + model.safetensors")
+  f.add_argument(
+    "--torch-dir", required=True, help="directory with config.json + model.safetensors"
+  )
   f.add_argument("--out", required=True, help="work directory to create (new or empty)")
-  f.add_argument("--vocab-size", type=int, default=None,
-                 help="embedding rows (default: vocabulary rounded up to a multiple of 128, "
-                      "or the --config model's vocab_size)")
-  f.add_argument("--config", default=None,
-                 help="run config file: write a full train state that lca-train resumes")
-  f.add_argument("--force", action="store_true",
-                 help="overwrite a non-empty --out (its checkpoints/ and run config)")
+  f.add_argument(
+    "--vocab-size",
+    type=int,
+    default=None,
+    help="embedding rows (default: vocabulary rounded up to a multiple of 128, "
+    "or the --config model's vocab_size)",
+  )
+  f.add_argument(
+    "--config",
+    default=None,
+    help="run config file: write a full train state that lca-train resumes",
+  )
+  f.add_argument(
+    "--force",
+    action="store_true",
+    help="overwrite a non-empty --out (its checkpoints/ and run config)",
+  )
   return p
 
 
@@ -63,6 +76,7 @@ def main(argv=None) -> int:
     if args.cmd == "from-torch" and args.config:
       from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
       from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
+
       config = configs_io.load_config(args.config)
       configs_io.apply_overrides(config, configs_io.split_overrides(rest))
       run_config.validate_run_config(config)
@@ -73,23 +87,33 @@ def main(argv=None) -> int:
   from lca_jax.interop import convert  # pylint: disable=g-import-not-at-top
   from lca_jax.interop.errors import CheckpointError  # pylint: disable=g-import-not-at-top
   from lca_jax.model.config import ConfigError  # pylint: disable=g-import-not-at-top
+
   errors = (convert.ConvertError, CheckpointError, LoadError, ConfigError, OSError)
   if config is not None:
     from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
     from lca_jax.train import sharding  # pylint: disable=g-import-not-at-top
     from lca_jax.train.errors import TrainError  # pylint: disable=g-import-not-at-top
+
     errors += (DataError, TrainError, sharding.MeshError)
   try:
     if args.cmd == "to-torch":
-      out = convert.to_torch(args.checkpoint, args.out, args.dtype, step=args.step,
-                             force=args.force)
-      print(f"lca-convert: wrote {os.path.join(out, 'config.json')} and model.safetensors "
-            f"({args.dtype})", file=sys.stderr)
+      out = convert.to_torch(
+        args.checkpoint, args.out, args.dtype, step=args.step, force=args.force
+      )
+      print(
+        f"lca-convert: wrote {os.path.join(out, 'config.json')} and model.safetensors "
+        f"({args.dtype})",
+        file=sys.stderr,
+      )
     else:
-      out = convert.from_torch(args.torch_dir, args.out, vocab_size=args.vocab_size,
-                               config=config, force=args.force)
-      how = ("resume with: lca-train --config " + args.config + f" --workdir {out}"
-             if config is not None else f"fine-tune with train.init_from={out}")
+      out = convert.from_torch(
+        args.torch_dir, args.out, vocab_size=args.vocab_size, config=config, force=args.force
+      )
+      how = (
+        "resume with: lca-train --config " + args.config + f" --workdir {out}"
+        if config is not None
+        else f"fine-tune with train.init_from={out}"
+      )
       print(f"lca-convert: wrote work directory {out} (step 0; {how})", file=sys.stderr)
   except errors as e:
     return _fail(str(e))

@@ -14,6 +14,7 @@ that is a directory. --json prints strict JSON (a value that is not a number, su
 acceptance_rate in ntp mode, is null); bpb reports the bad records its pipeline skipped
 (skipped_records, and skipped by reason).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,39 +49,62 @@ def _names(s: str):
 
 def _parser():
   from lca_jax.eval.tasks import TASKS  # pylint: disable=g-import-not-at-top
+
   p = argparse.ArgumentParser(prog="lca-eval", description=__doc__.split("\n\n")[0])
   sub = p.add_subparsers(dest="command", required=True)
 
-  b = sub.add_parser("bpb", help="bits per byte of every head, bytes per latent, boundary statistics")
+  b = sub.add_parser(
+    "bpb", help="bits per byte of every head, bytes per latent, boundary statistics"
+  )
   b.add_argument("--checkpoint", required=True, help="upstream dir or lca-train workdir")
-  b.add_argument("--step", type=int, default=None, help="checkpoint step of a workdir (default: latest)")
+  b.add_argument(
+    "--step", type=int, default=None, help="checkpoint step of a workdir (default: latest)"
+  )
   b.add_argument("--data", required=True, nargs="+", help="held-out files (globs)")
-  b.add_argument("--format", default=None, help="parquet|jsonl|text|array_record|tfds (default: from extension)")
+  b.add_argument(
+    "--format", default=None, help="parquet|jsonl|text|array_record|tfds (default: from extension)"
+  )
   b.add_argument("--text-key", default="text", help="text field of jsonl/parquet records")
-  b.add_argument("--sft-format", default=None, help="score SFT data (loss-masked targets only): chat|translation|summarization")
-  b.add_argument("--seq-len", type=int, default=None, help="bytes per row (default: the model's max_seq_len)")
+  b.add_argument(
+    "--sft-format",
+    default=None,
+    help="score SFT data (loss-masked targets only): chat|translation|summarization",
+  )
+  b.add_argument(
+    "--seq-len", type=int, default=None, help="bytes per row (default: the model's max_seq_len)"
+  )
   b.add_argument("--batch-size", type=int, default=8)
   b.add_argument("--packing", default="segmented", choices=("segmented", "concat"))
   b.add_argument("--max-batches", type=int, default=None)
   b.add_argument("--json", action="store_true", help="print one JSON object")
   b.add_argument("--no-progress", action="store_true")
 
-  t = sub.add_parser("tasks", help="generate on a task, report quality, acceptance rate and bytes/s")
+  t = sub.add_parser(
+    "tasks", help="generate on a task, report quality, acceptance rate and bytes/s"
+  )
   t.add_argument("--checkpoint", required=True)
   t.add_argument("--task", required=True, help="|".join(TASKS))
   t.add_argument("--data", required=True, help="jsonl file")
   t.add_argument("--mode", default="ntp", help="ntp|threshold|verify|drafter")
-  t.add_argument("--drafter", default=None, help="drafting checkpoint for --mode drafter (this one verifies)")
+  t.add_argument(
+    "--drafter", default=None, help="drafting checkpoint for --mode drafter (this one verifies)"
+  )
   t.add_argument("--tau", type=float, default=0.9)
   t.add_argument("--n", type=int, default=3)
-  t.add_argument("--max-bytes", type=int, default=None, help="generation budget per prompt (default per task)")
+  t.add_argument(
+    "--max-bytes", type=int, default=None, help="generation budget per prompt (default per task)"
+  )
   t.add_argument("--limit", type=int, default=None, help="first N examples")
   t.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (paper: 1)")
   t.add_argument("--metric", default=None, help="headline metric (default per task)")
-  t.add_argument("--temperature", type=float, default=None, help="override (default: greedy; ifeval 0.7)")
+  t.add_argument(
+    "--temperature", type=float, default=None, help="override (default: greedy; ifeval 0.7)"
+  )
   t.add_argument("--top-p", type=float, default=None, help="override (default: 1; ifeval 0.9)")
   t.add_argument("--seed", type=int, default=0)
-  t.add_argument("--out", default=None, help="also write the full result (with outputs) to this JSON file")
+  t.add_argument(
+    "--out", default=None, help="also write the full result (with outputs) to this JSON file"
+  )
   t.add_argument("--json", action="store_true")
   t.add_argument("--no-progress", action="store_true")
 
@@ -104,6 +128,7 @@ def _parser():
 
 def _load(path, step=None):
   import lca_jax  # pylint: disable=g-import-not-at-top
+
   return lca_jax.load(path, step=step) if step is not None else lca_jax.load(path)
 
 
@@ -114,6 +139,7 @@ def _at_least(name: str, value, low: int = 1):
 
 def _data_format(fmt):
   from lca_jax.data.readers import FORMATS  # pylint: disable=g-import-not-at-top
+
   if fmt is None:
     return None
   fmt = {"arrayrecord": "array_record"}.get(fmt, fmt)
@@ -126,6 +152,7 @@ def _cmd_bpb(a) -> int:
   from lca_jax import jsonio  # pylint: disable=g-import-not-at-top
   from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
   from lca_jax.eval.bpb import evaluate_bpb  # pylint: disable=g-import-not-at-top
+
   _at_least("--batch-size", a.batch_size)
   _at_least("--seq-len", a.seq_len)
   _at_least("--max-batches", a.max_batches)
@@ -133,22 +160,37 @@ def _cmd_bpb(a) -> int:
   fmt = _data_format(a.format)
   if a.sft_format:
     from lca_jax.data.sft_format import SFT_FORMATS  # pylint: disable=g-import-not-at-top
+
     if a.sft_format not in SFT_FORMATS:
       fail(f"unknown --sft-format {a.sft_format!r}; choose one of {', '.join(SFT_FORMATS)}")
   model = _load(a.checkpoint, a.step)
   seq_len = model.cfg.max_seq_len if a.seq_len is None else a.seq_len
   if seq_len > model.cfg.max_seq_len:
-    fail(f"--seq-len {seq_len} is longer than the model context (max_seq_len "
-         f"{model.cfg.max_seq_len})")
+    fail(
+      f"--seq-len {seq_len} is longer than the model context (max_seq_len {model.cfg.max_seq_len})"
+    )
   if a.sft_format:
     from lca_jax.data.sft import make_sft_eval_pipeline  # pylint: disable=g-import-not-at-top
+
     packing = "segmented" if a.packing == "segmented" else "single"
-    batches = make_sft_eval_pipeline(a.data, a.sft_format, seq_len, a.batch_size, max_batches=a.max_batches,
-                                     packing=packing)
+    batches = make_sft_eval_pipeline(
+      a.data, a.sft_format, seq_len, a.batch_size, max_batches=a.max_batches, packing=packing
+    )
   else:
     from lca_jax.data.pipeline import make_eval_pipeline  # pylint: disable=g-import-not-at-top
-    batches = make_eval_pipeline(a.data, fmt, seq_len, a.batch_size, a.packing, max_batches=a.max_batches,
-                                 text_key=a.text_key, shard_index=0, shard_count=1, on_bad_shard="error")
+
+    batches = make_eval_pipeline(
+      a.data,
+      fmt,
+      seq_len,
+      a.batch_size,
+      a.packing,
+      max_batches=a.max_batches,
+      text_key=a.text_key,
+      shard_index=0,
+      shard_count=1,
+      on_bad_shard="error",
+    )
   res = evaluate_bpb(model, batches, max_batches=a.max_batches, progress=not a.no_progress)
   if not res["batches"]:
     raise DataError(f"no batch to score in {' '.join(a.data)} (no usable document)")
@@ -161,8 +203,17 @@ def _cmd_bpb(a) -> int:
   for k in heads:
     n = res.get("targets_" + k[4:])
     print(f"  {k:22s} {res[k]:.4f}" + (f"  ({n} targets)" if n is not None else ""))
-  for k in ("bytes_per_latent", "boundary_rate", "group_len_mean", "group_len_p10", "group_len_p50",
-            "group_len_p90", "group_len_p99", "group_len_max", "overflow"):
+  for k in (
+    "bytes_per_latent",
+    "boundary_rate",
+    "group_len_mean",
+    "group_len_p10",
+    "group_len_p50",
+    "group_len_p90",
+    "group_len_p99",
+    "group_len_max",
+    "overflow",
+  ):
     if k in res:
       print(f"  {k:22s} {res[k]:.4f}" if isinstance(res[k], float) else f"  {k:22s} {res[k]}")
   if res.get("skipped_records"):
@@ -174,6 +225,7 @@ def _cmd_bpb(a) -> int:
 def _check_gen_args(a, modes=None, taus=None, ns=None):
   """The generation arguments of tasks / sweep, checked before any checkpoint is loaded."""
   from lca_jax.decode import engine  # pylint: disable=g-import-not-at-top
+
   _at_least("--batch-size", a.batch_size)
   _at_least("--limit", a.limit)
   _at_least("--max-bytes", a.max_bytes)
@@ -184,16 +236,22 @@ def _check_gen_args(a, modes=None, taus=None, ns=None):
       continue  # the sweep grid reports it with the list of its modes
     for tau in taus or [getattr(a, "tau", 0.9)]:
       for n in ns or [getattr(a, "n", 3)]:
-        engine.check_options(mode, tau=tau, n=n if modes is None else max(n, 2),
-                             max_bytes=a.max_bytes or 1,
-                             temperature=0.0 if temperature is None else temperature,
-                             top_p=1.0 if top_p is None else top_p, seed=a.seed)
+        engine.check_options(
+          mode,
+          tau=tau,
+          n=n if modes is None else max(n, 2),
+          max_bytes=a.max_bytes or 1,
+          temperature=0.0 if temperature is None else temperature,
+          top_p=1.0 if top_p is None else top_p,
+          seed=a.seed,
+        )
 
 
 def _cmd_tasks(a) -> int:
   from lca_jax import jsonio  # pylint: disable=g-import-not-at-top
   from lca_jax.eval import tasks  # pylint: disable=g-import-not-at-top
   from lca_jax.eval.sweep import check_out_file, write_json  # pylint: disable=g-import-not-at-top
+
   tasks.check_task(a.task)
   _check_gen_args(a)
   if a.out:
@@ -202,10 +260,25 @@ def _cmd_tasks(a) -> int:
   drafter = _load(a.drafter) if a.drafter else None
   max_bytes = tasks.DEFAULT_MAX_BYTES[a.task] if a.max_bytes is None else a.max_bytes
   ctx = min(model.cfg.max_seq_len, drafter.cfg.max_seq_len if drafter else model.cfg.max_seq_len)
-  examples = tasks.load_examples(a.task, a.data, limit=a.limit, max_prompt_bytes=max(16, ctx - max_bytes))
-  r = tasks.run_task(model, a.task, examples, mode=a.mode, tau=a.tau, n=a.n, max_bytes=max_bytes,
-                     batch_size=a.batch_size, drafter=drafter, seed=a.seed, metric=a.metric,
-                     progress=not a.no_progress, temperature=a.temperature, top_p=a.top_p)
+  examples = tasks.load_examples(
+    a.task, a.data, limit=a.limit, max_prompt_bytes=max(16, ctx - max_bytes)
+  )
+  r = tasks.run_task(
+    model,
+    a.task,
+    examples,
+    mode=a.mode,
+    tau=a.tau,
+    n=a.n,
+    max_bytes=max_bytes,
+    batch_size=a.batch_size,
+    drafter=drafter,
+    seed=a.seed,
+    metric=a.metric,
+    progress=not a.no_progress,
+    temperature=a.temperature,
+    top_p=a.top_p,
+  )
   r.update(checkpoint=a.checkpoint, drafter=a.drafter, data=a.data)
   if a.out:
     write_json(r, a.out)
@@ -219,15 +292,30 @@ def _cmd_tasks(a) -> int:
 def _cmd_sweep(a) -> int:
   from lca_jax.eval import tasks  # pylint: disable=g-import-not-at-top
   from lca_jax.eval.sweep import check_out_dir, run_sweep  # pylint: disable=g-import-not-at-top
+
   tasks.check_task(a.task)
   check_out_dir(a.out)
   if not a.taus or not a.ns or not a.modes:
     fail("--taus, --ns and --modes each need at least one value")
   _check_gen_args(a, modes=a.modes, taus=a.taus, ns=a.ns)
-  res = run_sweep(a.checkpoints, a.task, a.data, a.out, modes=a.modes, taus=a.taus, ns=a.ns, drafter=a.drafter,
-                  limit=a.limit, max_bytes=a.max_bytes, batch_size=a.batch_size, metric=a.metric, seed=a.seed,
-                  progress=not a.no_progress)
+  res = run_sweep(
+    a.checkpoints,
+    a.task,
+    a.data,
+    a.out,
+    modes=a.modes,
+    taus=a.taus,
+    ns=a.ns,
+    drafter=a.drafter,
+    limit=a.limit,
+    max_bytes=a.max_bytes,
+    batch_size=a.batch_size,
+    metric=a.metric,
+    seed=a.seed,
+    progress=not a.no_progress,
+  )
   from lca_jax.eval.tasks import summary_line  # pylint: disable=g-import-not-at-top
+
   for r in res["runs"]:
     print(f"{r['label']}: {summary_line(r)}")
   for s in res["skipped"]:

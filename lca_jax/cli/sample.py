@@ -15,6 +15,7 @@ the longest prompt + generation fits the model's max_seq_len): the summary line 
 ("stopped: ..."), and --json gives "stop_reason" per prompt. --json is strict JSON
 (acceptance_rate is null in ntp mode). Errors are one line, exit status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,12 @@ from lca_jax.cli.common import fail, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="lca-sample", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--checkpoint", required=True, help="workdir or upstream dir (config.json + model.safetensors)")
+  p = argparse.ArgumentParser(
+    prog="lca-sample", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  p.add_argument(
+    "--checkpoint", required=True, help="workdir or upstream dir (config.json + model.safetensors)"
+  )
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--prompt", help="prompt text")
   src.add_argument("--prompt-file", help="file with one prompt per line (batched)")
@@ -42,8 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--ignore-eos", action="store_true")
-  p.add_argument("--show-boundaries", action="store_true",
-                 help="print the prompt and output with '|' after each byte that closes a group")
+  p.add_argument(
+    "--show-boundaries",
+    action="store_true",
+    help="print the prompt and output with '|' after each byte that closes a group",
+  )
   p.add_argument("--stream", action="store_true", help="print text as it is decoded")
   p.add_argument("--json", action="store_true", help="print one JSON record per prompt")
   return p
@@ -78,6 +85,7 @@ def _read_prompts(args) -> List[Union[str, bytes]]:
 
 def _prompt_ids(prompt) -> list:
   from lca_jax import vocab  # pylint: disable=g-import-not-at-top
+
   ids = vocab.encode(prompt) if isinstance(prompt, str) else vocab.encode_bytes(prompt)
   return ids.tolist()
 
@@ -93,17 +101,21 @@ def _stop_summary(res, max_bytes: int, prompts, context: int) -> str:
   if not counts:
     return ""
   out = "; stopped: " + ", ".join(
-      (f"{k} {v}" if len(res.stop_reasons) > 1 else k) for k, v in sorted(counts.items()))
+    (f"{k} {v}" if len(res.stop_reasons) > 1 else k) for k, v in sorted(counts.items())
+  )
   if "context" in counts:
     longest = max(len(_prompt_ids(p)) for p in prompts)
-    out += (f" (the context of {context} bytes left {res.budget} of --max-bytes {max_bytes} "
-            f"after the {longest}-byte prompt)")
+    out += (
+      f" (the context of {context} bytes left {res.budget} of --max-bytes {max_bytes} "
+      f"after the {longest}-byte prompt)"
+    )
   return out
 
 
 def with_boundaries(ids, boundaries) -> str:
   """Text with '|' after every byte whose boundary is 1 (never splits a UTF-8 character)."""
   from lca_jax import vocab  # pylint: disable=g-import-not-at-top
+
   out, buf = [], []
   for i, b in zip(ids, boundaries):
     buf.append(int(i))
@@ -119,6 +131,7 @@ class _Streamer:
 
   def __init__(self, out=sys.stdout):
     from lca_jax import vocab  # pylint: disable=g-import-not-at-top
+
     self.dec, self.out = vocab.StreamDecoder(), out
 
   def __call__(self, rows):
@@ -141,16 +154,24 @@ def _main(args) -> int:
   import lca_jax  # pylint: disable=g-import-not-at-top
   from lca_jax import jsonio  # pylint: disable=g-import-not-at-top
   from lca_jax.decode import engine  # pylint: disable=g-import-not-at-top
+
   prompts = _read_prompts(args)
   try:  # before the (slow) load; the messages are rewritten to name the CLI options
-    engine.check_options(args.mode, tau=args.tau, n=args.n, max_bytes=args.max_bytes,
-                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         seed=args.seed)
+    engine.check_options(
+      args.mode,
+      tau=args.tau,
+      n=args.n,
+      max_bytes=args.max_bytes,
+      temperature=args.temperature,
+      top_k=args.top_k,
+      top_p=args.top_p,
+      seed=args.seed,
+    )
   except engine.DecodeError as e:
     msg = str(e)
     name = msg.split(" ", 1)[0]
     if name in _OPTIONS:  # "max_bytes must be ..." -> "--max-bytes must be ..."
-      msg = "--" + name.replace("_", "-") + msg[len(name):]
+      msg = "--" + name.replace("_", "-") + msg[len(name) :]
     fail(msg)
   if args.mode == "drafter" and not args.drafter:
     fail("--mode drafter needs --drafter DIR")
@@ -162,38 +183,66 @@ def _main(args) -> int:
   if args.stream:
     streamer = _Streamer()
     sys.stdout.write(_shown(prompts[0]))
-  res = model.generate(prompts, mode=args.mode, tau=args.tau, n=args.n, max_bytes=args.max_bytes,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       seed=args.seed, ignore_eos=args.ignore_eos, drafter=drafter,
-                       on_bytes=streamer)
+  res = model.generate(
+    prompts,
+    mode=args.mode,
+    tau=args.tau,
+    n=args.n,
+    max_bytes=args.max_bytes,
+    temperature=args.temperature,
+    top_k=args.top_k,
+    top_p=args.top_p,
+    seed=args.seed,
+    ignore_eos=args.ignore_eos,
+    drafter=drafter,
+    on_bytes=streamer,
+  )
   if streamer is not None:
     streamer.close()
   for i, prompt in enumerate(prompts):
     if args.json:
-      rec = dict(prompt=_shown(prompt), text=res.texts[i], ids=res.ids[i].tolist(),
-                 accepted_per_step=res.accepted_per_step[i], acceptance_rate=res.acceptance_rate,
-                 bytes_per_s=res.bytes_per_s, latent_steps_per_byte=res.latent_steps_per_byte,
-                 mode=args.mode, tau=args.tau, n=args.n, stop_reason=res.stop_reasons[i],
-                 budget=res.budget)
+      rec = dict(
+        prompt=_shown(prompt),
+        text=res.texts[i],
+        ids=res.ids[i].tolist(),
+        accepted_per_step=res.accepted_per_step[i],
+        acceptance_rate=res.acceptance_rate,
+        bytes_per_s=res.bytes_per_s,
+        latent_steps_per_byte=res.latent_steps_per_byte,
+        mode=args.mode,
+        tau=args.tau,
+        n=args.n,
+        stop_reason=res.stop_reasons[i],
+        budget=res.budget,
+      )
       if isinstance(prompt, bytes):
         rec["prompt_ids"] = _prompt_ids(prompt)
       if args.show_boundaries and model.cfg.hierarchical:
         rec["segmented"] = with_boundaries(
-            _prompt_ids(prompt) + res.ids[i].tolist(),
-            list(res.prompt_boundaries[i]) + list(res.boundaries[i]))
+          _prompt_ids(prompt) + res.ids[i].tolist(),
+          list(res.prompt_boundaries[i]) + list(res.boundaries[i]),
+        )
       print(jsonio.dumps(rec, ensure_ascii=False))
       continue
     if args.show_boundaries and model.cfg.hierarchical:
-      print(with_boundaries(_prompt_ids(prompt) + res.ids[i].tolist(),
-                            list(res.prompt_boundaries[i]) + list(res.boundaries[i])))
+      print(
+        with_boundaries(
+          _prompt_ids(prompt) + res.ids[i].tolist(),
+          list(res.prompt_boundaries[i]) + list(res.boundaries[i]),
+        )
+      )
     elif not args.stream:
       print(_shown(prompt) + res.texts[i])
   if not args.json:
     acc = "" if args.mode == "ntp" else f", acceptance {res.acceptance_rate:.3f}"
-    context = min(model.cfg.max_seq_len, drafter.cfg.max_seq_len if drafter else model.cfg.max_seq_len)
-    print(f"[{args.mode}: {sum(len(x) for x in res.ids)} bytes in {res.steps} steps, "
-          f"{res.bytes_per_s:.1f} bytes/s{acc}{_stop_summary(res, args.max_bytes, prompts, context)}]",
-          file=sys.stderr)
+    context = min(
+      model.cfg.max_seq_len, drafter.cfg.max_seq_len if drafter else model.cfg.max_seq_len
+    )
+    print(
+      f"[{args.mode}: {sum(len(x) for x in res.ids)} bytes in {res.steps} steps, "
+      f"{res.bytes_per_s:.1f} bytes/s{acc}{_stop_summary(res, args.max_bytes, prompts, context)}]",
+      file=sys.stderr,
+    )
   return 0
 
 

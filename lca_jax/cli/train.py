@@ -16,6 +16,7 @@ launch/. A process of a multi-process run that dies makes the others exit (statu
 "Terminating process because the JAX distributed service detected fatal errors") within
 --heartbeat-timeout seconds; --watchdog ends a stuck one (status 3).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,7 @@ import sys
 
 def _want_distributed(flag: bool, coordinator: str = "") -> bool:
   from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
+
   return distributed.wanted(os.environ, flag=flag, coordinator=coordinator)
 
 
@@ -41,40 +43,70 @@ def _fail_multi(multi: bool, msg: str, code: int = 2) -> int:
     _fail(msg, code)
   if multi:
     from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
+
     distributed.exit_now(code)
   return code
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
-      prog="lca-train", description=__doc__.split("\n\n")[0],
-      epilog="Config overrides: --config.SECTION.KEY=VALUE (e.g. --config.train.steps=600).")
+    prog="lca-train",
+    description=__doc__.split("\n\n")[0],
+    epilog="Config overrides: --config.SECTION.KEY=VALUE (e.g. --config.train.steps=600).",
+  )
   parser.add_argument("--config", required=True, help="config file, e.g. configs/lca_mbp.py")
   parser.add_argument("--workdir", required=True, help="checkpoints, metrics and logs go here")
   dist = parser.add_argument_group(
-      "multi-process", "values default to JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
-      "JAX_PROCESS_ID, JAX_LOCAL_DEVICE_IDS, then SLURM (see launch/)")
-  dist.add_argument("--distributed", action="store_true",
-                    help="call jax.distributed.initialize() (multi-host)")
-  dist.add_argument("--coordinator", default="", metavar="HOST:PORT",
-                    help="address of process 0's coordination service")
+    "multi-process",
+    "values default to JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+    "JAX_PROCESS_ID, JAX_LOCAL_DEVICE_IDS, then SLURM (see launch/)",
+  )
+  dist.add_argument(
+    "--distributed", action="store_true", help="call jax.distributed.initialize() (multi-host)"
+  )
+  dist.add_argument(
+    "--coordinator",
+    default="",
+    metavar="HOST:PORT",
+    help="address of process 0's coordination service",
+  )
   dist.add_argument("--num-processes", type=int, default=None, metavar="N")
   dist.add_argument("--process-id", type=int, default=None, metavar="I")
-  dist.add_argument("--local-device-ids", default=None, metavar="0,1,...",
-                    help="devices of this host this process uses (default: all it sees)")
-  dist.add_argument("--heartbeat-timeout", type=int, default=None, metavar="S",
-                    help="a process silent this long is dead and the others exit "
-                    "(default LCA_HEARTBEAT_TIMEOUT or 60)")
-  dist.add_argument("--init-timeout", type=int, default=None, metavar="S",
-                    help="wait this long for every process to connect (default 300)")
-  parser.add_argument("--watchdog", type=float, default=None, metavar="S",
-                      help="exit (status 3) when no step / eval / checkpoint completes for S "
-                      "seconds after the first step (default LCA_WATCHDOG or 0 = off)")
+  dist.add_argument(
+    "--local-device-ids",
+    default=None,
+    metavar="0,1,...",
+    help="devices of this host this process uses (default: all it sees)",
+  )
+  dist.add_argument(
+    "--heartbeat-timeout",
+    type=int,
+    default=None,
+    metavar="S",
+    help="a process silent this long is dead and the others exit "
+    "(default LCA_HEARTBEAT_TIMEOUT or 60)",
+  )
+  dist.add_argument(
+    "--init-timeout",
+    type=int,
+    default=None,
+    metavar="S",
+    help="wait this long for every process to connect (default 300)",
+  )
+  parser.add_argument(
+    "--watchdog",
+    type=float,
+    default=None,
+    metavar="S",
+    help="exit (status 3) when no step / eval / checkpoint completes for S "
+    "seconds after the first step (default LCA_WATCHDOG or 0 = off)",
+  )
   args, rest = parser.parse_known_args(argv)
 
   from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
   from lca_jax.model.config import ConfigError  # pylint: disable=g-import-not-at-top
   from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
+
   try:
     overrides = configs_io.split_overrides(rest)
     config = configs_io.load_config(args.config)
@@ -92,16 +124,22 @@ def main(argv=None) -> int:
   from lca_jax.train.run_config import ConfigMismatchError  # pylint: disable=g-import-not-at-top
 
   try:
-    watchdog = float(args.watchdog if args.watchdog is not None
-                     else os.environ.get("LCA_WATCHDOG", "0") or 0)
+    watchdog = float(
+      args.watchdog if args.watchdog is not None else os.environ.get("LCA_WATCHDOG", "0") or 0
+    )
   except ValueError:
     return _fail(f"LCA_WATCHDOG must be a number of seconds, got {os.environ['LCA_WATCHDOG']!r}")
   multi = _want_distributed(args.distributed, args.coordinator)
   if multi:
     try:
-      dcfg = distributed.resolve(args.coordinator or None, args.num_processes, args.process_id,
-                                 args.local_device_ids, args.heartbeat_timeout,
-                                 args.init_timeout)
+      dcfg = distributed.resolve(
+        args.coordinator or None,
+        args.num_processes,
+        args.process_id,
+        args.local_device_ids,
+        args.heartbeat_timeout,
+        args.init_timeout,
+      )
       distributed.initialize(dcfg)
     except distributed.DistributedError as e:
       return _fail(str(e))
@@ -111,8 +149,15 @@ def main(argv=None) -> int:
     result = loop.train_and_evaluate(config, args.workdir, watchdog=watchdog)
   except NonFiniteLossError as e:
     return _fail_multi(multi, str(e), 1)
-  except (ConfigError, DataError, TrainError, ConfigMismatchError,
-          CorruptCheckpointError, sharding.MeshError, LoadError) as e:
+  except (
+    ConfigError,
+    DataError,
+    TrainError,
+    ConfigMismatchError,
+    CorruptCheckpointError,
+    sharding.MeshError,
+    LoadError,
+  ) as e:
     return _fail_multi(multi, str(e))
   except KeyboardInterrupt:
     print("lca-train: interrupted", file=sys.stderr)
@@ -126,8 +171,11 @@ def main(argv=None) -> int:
   if result.last_eval:
     msg += f", eval bpb_ntp {result.last_eval['bpb_ntp']:.4f}"
   if result.skipped:
-    msg += (f", {sum(result.skipped.values())} bad records skipped ("
-            + ", ".join(f"{k} {v}" for k, v in sorted(result.skipped.items())) + ")")
+    msg += (
+      f", {sum(result.skipped.values())} bad records skipped ("
+      + ", ".join(f"{k} {v}" for k, v in sorted(result.skipped.items()))
+      + ")"
+    )
   print(msg + f" ({result.workdir})", file=sys.stderr, flush=True)
   return 130 if result.interrupted else 0
 

@@ -8,6 +8,7 @@ be read. A bad record is not raised: readers return a ``Skipped`` marker (its re
 :mod:`lca_jax.data.readers` and :mod:`lca_jax.data.sources` share them without importing each
 other.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,18 +19,19 @@ SKIP_REASONS = ("not_string", "empty", "undecodable", "bad_json", "unreadable")
 
 
 class DataError(LcaError, RuntimeError):
-    """Clear, user-facing data problem (missing files, corrupt shard, ...)."""
+  """Clear, user-facing data problem (missing files, corrupt shard, ...)."""
 
 
 class SourceNotFoundError(DataError):
-    """The data source itself does not exist (never skipped, whatever on_bad_shard says)."""
+  """The data source itself does not exist (never skipped, whatever on_bad_shard says)."""
 
 
 class BadShardWarning(UserWarning):
-    """A shard was skipped because it could not be read."""
+  """A shard was skipped because it could not be read."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Skipped:
-    """Marker standing in for a bad record; ``reason`` is one of SKIP_REASONS."""
-    reason: str
+  """Marker standing in for a bad record; ``reason`` is one of SKIP_REASONS."""
+
+  reason: str

@@ -13,6 +13,7 @@ own document (segment id 1, 2, ...; positions restart), never split across rows;
 the file and line (``on_bad_record="error"``, default) or are skipped and counted
 (``"skip"``).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,15 @@ from lca_jax.data.errors import DataError, Skipped
 from lca_jax.data.packing import SkipGuard
 from lca_jax.data.pipeline import DocumentOrder, Pipeline
 from lca_jax.data.readers import JsonlReader
-from lca_jax.data.sft_format import (SFT_FORMATS, ExampleError, encode_example, expand_qa, format_prompt,
-                                     line_number, read_jsonl)
+from lca_jax.data.sft_format import (
+  SFT_FORMATS,
+  ExampleError,
+  encode_example,
+  expand_qa,
+  format_prompt,
+  line_number,
+  read_jsonl,
+)
 from lca_jax.data.sources import build_index, expand_files
 
 SFT_PACKING = ("segmented", "single")
@@ -34,180 +42,249 @@ SFT_SKIP_REASONS = ("bad_json", "bad_example", "too_long", "no_target")
 
 
 class SftJsonlReader(JsonlReader):
-    """JSONL reader returning encoded examples ``{"ids", "loss_mask"}`` (or Skipped markers)."""
+  """JSONL reader returning encoded examples ``{"ids", "loss_mask"}`` (or Skipped markers)."""
 
-    def __init__(self, paths, sft_format: str, seq_len: int, on_bad_record: str = "error", **kw):
-        if on_bad_record not in ("error", "skip"):
-            raise ValueError(f"on_bad_record must be 'error' or 'skip', got {on_bad_record!r}")
-        self.sft_format, self.seq_len, self.on_bad_record = sft_format, int(seq_len), on_bad_record
-        super().__init__(paths, **kw)
+  def __init__(self, paths, sft_format: str, seq_len: int, on_bad_record: str = "error", **kw):
+    if on_bad_record not in ("error", "skip"):
+      raise ValueError(f"on_bad_record must be 'error' or 'skip', got {on_bad_record!r}")
+    self.sft_format, self.seq_len, self.on_bad_record = sft_format, int(seq_len), on_bad_record
+    super().__init__(paths, **kw)
 
-    def _bad(self, file_idx, row, reason, msg):
-        if self.on_bad_record == "skip":
-            return Skipped(reason)
-        start = int(self._all_spans[file_idx][row][0])
-        path = self.paths[file_idx]
-        raise DataError(f"{path}:{line_number(path, start)}: {msg}")
+  def _bad(self, file_idx, row, reason, msg):
+    if self.on_bad_record == "skip":
+      return Skipped(reason)
+    start = int(self._all_spans[file_idx][row][0])
+    path = self.paths[file_idx]
+    raise DataError(f"{path}:{line_number(path, start)}: {msg}")
 
-    def _decode(self, line, file_idx, row):
-        try:
-            obj = json.loads(line)
-        except (UnicodeDecodeError, ValueError) as e:
-            return self._bad(file_idx, row, "bad_json", f"malformed JSON line ({e})")
-        if not isinstance(obj, dict):
-            return self._bad(file_idx, row, "bad_json", f"expected a JSON object, got {type(obj).__name__}")
-        try:
-            enc = encode_example(obj, self.sft_format, self.seq_len)
-        except ExampleError as e:
-            return self._bad(file_idx, row, "bad_example", f"not a {self.sft_format} example: {e}")
-        if enc is None:
-            msgs = obj.get("messages") if self.sft_format == "chat" else None
-            no_target = isinstance(msgs, list) and not any(m.get("role") == "assistant" for m in msgs)
-            return Skipped("no_target" if no_target else "too_long")
-        return {"ids": enc[0], "loss_mask": enc[1]}
+  def _decode(self, line, file_idx, row):
+    try:
+      obj = json.loads(line)
+    except (UnicodeDecodeError, ValueError) as e:
+      return self._bad(file_idx, row, "bad_json", f"malformed JSON line ({e})")
+    if not isinstance(obj, dict):
+      return self._bad(
+        file_idx, row, "bad_json", f"expected a JSON object, got {type(obj).__name__}"
+      )
+    try:
+      enc = encode_example(obj, self.sft_format, self.seq_len)
+    except ExampleError as e:
+      return self._bad(file_idx, row, "bad_example", f"not a {self.sft_format} example: {e}")
+    if enc is None:
+      msgs = obj.get("messages") if self.sft_format == "chat" else None
+      no_target = isinstance(msgs, list) and not any(m.get("role") == "assistant" for m in msgs)
+      return Skipped("no_target" if no_target else "too_long")
+    return {"ids": enc[0], "loss_mask": enc[1]}
 
 
 # ---- packing ------------------------------------------------------------------------------
 class _SftPackIterator(grain.DatasetIterator):
-    def __init__(self, parent, seq_len: int, packing: str, guard: SkipGuard | None = None):
-        super().__init__(parent)
-        self._T, self._packing = seq_len, packing
-        self._guard = guard
-        self._pending = None
-        self._pending_state = None
-        self._skipped: dict[str, int] = {}
-        self._run = 0  # examples skipped in a row
+  def __init__(self, parent, seq_len: int, packing: str, guard: SkipGuard | None = None):
+    super().__init__(parent)
+    self._T, self._packing = seq_len, packing
+    self._guard = guard
+    self._pending = None
+    self._pending_state = None
+    self._skipped: dict[str, int] = {}
+    self._run = 0  # examples skipped in a row
 
-    def _next_example(self):
-        while True:
-            state = self._parent.get_state()
-            x = next(self._parent)  # StopIteration propagates
-            if isinstance(x, Skipped):
-                self._skipped[x.reason] = self._skipped.get(x.reason, 0) + 1
-                self._run += 1
-                if self._guard is not None:
-                    self._guard.check(self._run, self._skipped)
-                continue
-            self._run = 0
-            return state, x
+  def _next_example(self):
+    while True:
+      state = self._parent.get_state()
+      x = next(self._parent)  # StopIteration propagates
+      if isinstance(x, Skipped):
+        self._skipped[x.reason] = self._skipped.get(x.reason, 0) + 1
+        self._run += 1
+        if self._guard is not None:
+          self._guard.check(self._run, self._skipped)
+        continue
+      self._run = 0
+      return state, x
 
-    def __next__(self):
-        T = self._T
-        row = {k: np.zeros(T, np.int32) for k in ("ids", "segment_ids", "positions", "loss_mask")}
-        filled = k = 0
-        while True:
-            if self._pending is None:
-                try:
-                    self._pending_state, self._pending = self._next_example()
-                except StopIteration:
-                    if k == 0:
-                        raise
-                    break
-            n = len(self._pending["ids"])
-            if k > 0 and (filled + n > T or self._packing == "single"):
-                break
-            k += 1
-            sl = slice(filled, filled + n)
-            row["ids"][sl] = self._pending["ids"]
-            row["loss_mask"][sl] = self._pending["loss_mask"]
-            row["segment_ids"][sl] = k
-            row["positions"][sl] = np.arange(n, dtype=np.int32)
-            filled += n
-            self._pending = None
-            if self._packing == "single":
-                break
-        return row
+  def __next__(self):
+    T = self._T
+    row = {k: np.zeros(T, np.int32) for k in ("ids", "segment_ids", "positions", "loss_mask")}
+    filled = k = 0
+    while True:
+      if self._pending is None:
+        try:
+          self._pending_state, self._pending = self._next_example()
+        except StopIteration:
+          if k == 0:
+            raise
+          break
+      n = len(self._pending["ids"])
+      if k > 0 and (filled + n > T or self._packing == "single"):
+        break
+      k += 1
+      sl = slice(filled, filled + n)
+      row["ids"][sl] = self._pending["ids"]
+      row["loss_mask"][sl] = self._pending["loss_mask"]
+      row["segment_ids"][sl] = k
+      row["positions"][sl] = np.arange(n, dtype=np.int32)
+      filled += n
+      self._pending = None
+      if self._packing == "single":
+        break
+    return row
 
-    def get_state(self):
-        pending = self._pending is not None
-        return {"parent": self._pending_state if pending else self._parent.get_state(),
-                "has_pending": pending, "lca_skipped": dict(self._skipped), "skip_run": self._run}
+  def get_state(self):
+    pending = self._pending is not None
+    return {
+      "parent": self._pending_state if pending else self._parent.get_state(),
+      "has_pending": pending,
+      "lca_skipped": dict(self._skipped),
+      "skip_run": self._run,
+    }
 
-    def set_state(self, state):
-        self._parent.set_state(state["parent"])
-        self._skipped = {k: int(v) for k, v in state["lca_skipped"].items()}
-        self._run = int(state.get("skip_run", 0))
-        self._pending = self._pending_state = None
-        if state["has_pending"]:
-            self._pending_state = state["parent"]
-            self._pending = next(self._parent)
+  def set_state(self, state):
+    self._parent.set_state(state["parent"])
+    self._skipped = {k: int(v) for k, v in state["lca_skipped"].items()}
+    self._run = int(state.get("skip_run", 0))
+    self._pending = self._pending_state = None
+    if state["has_pending"]:
+      self._pending_state = state["parent"]
+      self._pending = next(self._parent)
 
 
 class SftPackIterDataset(grain.IterDataset):
-    """Packs encoded examples ``{"ids", "loss_mask"}`` (each <= seq_len) into rows; ``guard``
-    ends a stream without usable examples (as :class:`lca_jax.data.packing.PackIterDataset`)."""
+  """Packs encoded examples ``{"ids", "loss_mask"}`` (each <= seq_len) into rows; ``guard``
+  ends a stream without usable examples (as :class:`lca_jax.data.packing.PackIterDataset`)."""
 
-    def __init__(self, parent: grain.IterDataset, seq_len: int, packing: str = "segmented", *,
-                 guard: SkipGuard | None = None):
-        if packing not in SFT_PACKING:
-            raise ValueError(f"SFT packing must be one of {SFT_PACKING}, got {packing!r}")
-        super().__init__(parent)
-        self._seq_len, self._packing = int(seq_len), packing
-        self._guard = guard
+  def __init__(
+    self,
+    parent: grain.IterDataset,
+    seq_len: int,
+    packing: str = "segmented",
+    *,
+    guard: SkipGuard | None = None,
+  ):
+    if packing not in SFT_PACKING:
+      raise ValueError(f"SFT packing must be one of {SFT_PACKING}, got {packing!r}")
+    super().__init__(parent)
+    self._seq_len, self._packing = int(seq_len), packing
+    self._guard = guard
 
-    def __iter__(self):
-        return _SftPackIterator(self._parent.__iter__(), self._seq_len, self._packing, self._guard)
+  def __iter__(self):
+    return _SftPackIterator(self._parent.__iter__(), self._seq_len, self._packing, self._guard)
 
 
 def check_first_example(files, sft_format: str) -> None:
-    """Fail fast (in the calling process) when the first line of the first file is not an
-    example of ``sft_format``."""
-    path = expand_files(files)[0]
-    for lineno, obj in read_jsonl(path):
-        try:
-            if sft_format == "qa":
-                obj = expand_qa(obj)[0]
-            format_prompt(obj, sft_format)
-        except ExampleError as e:
-            raise DataError(f"{path}:{lineno}: not a {sft_format} example: {e}") from None
-        return
+  """Fail fast (in the calling process) when the first line of the first file is not an
+  example of ``sft_format``."""
+  path = expand_files(files)[0]
+  for lineno, obj in read_jsonl(path):
+    try:
+      if sft_format == "qa":
+        obj = expand_qa(obj)[0]
+      format_prompt(obj, sft_format)
+    except ExampleError as e:
+      raise DataError(f"{path}:{lineno}: not a {sft_format} example: {e}") from None
+    return
 
 
-def make_sft_pipeline(files: str | Sequence[str], sft_format: str, seq_len: int = 4096,
-                      batch_size: int = 8, seed: int = 0, shuffle: bool = True,
-                      shard_index: int | None = None, shard_count: int | None = None,
-                      num_epochs: int | None = None, *, packing: str = "segmented",
-                      worker_count: int = 0, drop_remainder: bool = True, pad_final_batch: bool = False,
-                      max_batches: int | None = None, on_bad_record: str = "error", block_units: int = 8,
-                      read_threads: int = 4, worker_buffer_size: int = 2) -> Pipeline:
-    """SFT batches (module docstring) from jsonl ``files``, with the same iterator machinery as
-    :func:`lca_jax.data.make_pipeline` (shuffle, host sharding, epochs, ``get_state`` /
-    ``set_state``, orbax save/restore args, ``stats``).  ``num_epochs=None`` repeats forever.
+def make_sft_pipeline(
+  files: str | Sequence[str],
+  sft_format: str,
+  seq_len: int = 4096,
+  batch_size: int = 8,
+  seed: int = 0,
+  shuffle: bool = True,
+  shard_index: int | None = None,
+  shard_count: int | None = None,
+  num_epochs: int | None = None,
+  *,
+  packing: str = "segmented",
+  worker_count: int = 0,
+  drop_remainder: bool = True,
+  pad_final_batch: bool = False,
+  max_batches: int | None = None,
+  on_bad_record: str = "error",
+  block_units: int = 8,
+  read_threads: int = 4,
+  worker_buffer_size: int = 2,
+) -> Pipeline:
+  """SFT batches (module docstring) from jsonl ``files``, with the same iterator machinery as
+  :func:`lca_jax.data.make_pipeline` (shuffle, host sharding, epochs, ``get_state`` /
+  ``set_state``, orbax save/restore args, ``stats``).  ``num_epochs=None`` repeats forever.
 
-    For an evaluation pass use ``shuffle=False, num_epochs=1, drop_remainder=False,
-    pad_final_batch=True`` (padding rows have segment_ids and loss_mask 0).
-    """
-    if sft_format not in SFT_FORMATS:
-        raise DataError(f"unknown sft_format {sft_format!r}; choose one of {', '.join(SFT_FORMATS)}")
-    if packing not in SFT_PACKING:
-        raise DataError(f"SFT packing must be one of {', '.join(SFT_PACKING)}, got {packing!r}")
-    if sft_format == "qa":
-        raise DataError("sft_format 'qa' is for evaluation prompts; train on CoQA rendered as chat")
-    if shard_index is None or shard_count is None:
-        import jax  # only when needed: worker processes never import jax
-        shard_index = jax.process_index() if shard_index is None else shard_index
-        shard_count = jax.process_count() if shard_count is None else shard_count
-    paths = expand_files(files)
-    check_first_example(paths, sft_format)
-    reader = SftJsonlReader(paths, sft_format, seq_len, on_bad_record, cache_units=2 * block_units + 1)
-    index = build_index(reader, on_bad_shard="error")
-    order = DocumentOrder(index, shuffle=shuffle, seed=seed, block_units=block_units, shard_index=shard_index,
-                          shard_count=shard_count, num_epochs=num_epochs)
-    it = grain.MapDataset.source(order).to_iter_dataset(
-        grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(64, 16 * read_threads)))
-    it = SftPackIterDataset(it, seq_len, packing, guard=order.skip_guard())
-    from lca_jax.data.pipeline import batch_and_prefetch
-    it = batch_and_prefetch(it, batch_size, drop_remainder, pad_final_batch, worker_count, worker_buffer_size,
-                            max_batches)
-    config = dict(files=files, format="jsonl", sft_format=sft_format, reader="SftJsonlReader", seq_len=seq_len,
-                  batch_size=batch_size, packing=packing, seed=seed, shuffle=shuffle, num_epochs=num_epochs,
-                  shard_index=shard_index, shard_count=shard_count, worker_count=worker_count, holdout=None)
-    return Pipeline(it, index, order, config)
+  For an evaluation pass use ``shuffle=False, num_epochs=1, drop_remainder=False,
+  pad_final_batch=True`` (padding rows have segment_ids and loss_mask 0).
+  """
+  if sft_format not in SFT_FORMATS:
+    raise DataError(f"unknown sft_format {sft_format!r}; choose one of {', '.join(SFT_FORMATS)}")
+  if packing not in SFT_PACKING:
+    raise DataError(f"SFT packing must be one of {', '.join(SFT_PACKING)}, got {packing!r}")
+  if sft_format == "qa":
+    raise DataError("sft_format 'qa' is for evaluation prompts; train on CoQA rendered as chat")
+  if shard_index is None or shard_count is None:
+    import jax  # only when needed: worker processes never import jax
+
+    shard_index = jax.process_index() if shard_index is None else shard_index
+    shard_count = jax.process_count() if shard_count is None else shard_count
+  paths = expand_files(files)
+  check_first_example(paths, sft_format)
+  reader = SftJsonlReader(
+    paths, sft_format, seq_len, on_bad_record, cache_units=2 * block_units + 1
+  )
+  index = build_index(reader, on_bad_shard="error")
+  order = DocumentOrder(
+    index,
+    shuffle=shuffle,
+    seed=seed,
+    block_units=block_units,
+    shard_index=shard_index,
+    shard_count=shard_count,
+    num_epochs=num_epochs,
+  )
+  it = grain.MapDataset.source(order).to_iter_dataset(
+    grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(64, 16 * read_threads))
+  )
+  it = SftPackIterDataset(it, seq_len, packing, guard=order.skip_guard())
+  from lca_jax.data.pipeline import batch_and_prefetch
+
+  it = batch_and_prefetch(
+    it, batch_size, drop_remainder, pad_final_batch, worker_count, worker_buffer_size, max_batches
+  )
+  config = dict(
+    files=files,
+    format="jsonl",
+    sft_format=sft_format,
+    reader="SftJsonlReader",
+    seq_len=seq_len,
+    batch_size=batch_size,
+    packing=packing,
+    seed=seed,
+    shuffle=shuffle,
+    num_epochs=num_epochs,
+    shard_index=shard_index,
+    shard_count=shard_count,
+    worker_count=worker_count,
+    holdout=None,
+  )
+  return Pipeline(it, index, order, config)
 
 
-def make_sft_eval_pipeline(files, sft_format: str, seq_len: int = 4096, batch_size: int = 8,
-                           max_batches: int | None = None, **kw) -> Pipeline:
-    """Deterministic SFT eval pass: no shuffle, one epoch, final batch padded."""
-    return make_sft_pipeline(files, sft_format, seq_len, batch_size, shuffle=False, num_epochs=1,
-                             drop_remainder=False, pad_final_batch=True, max_batches=max_batches,
-                             shard_index=kw.pop("shard_index", 0), shard_count=kw.pop("shard_count", 1), **kw)
+def make_sft_eval_pipeline(
+  files,
+  sft_format: str,
+  seq_len: int = 4096,
+  batch_size: int = 8,
+  max_batches: int | None = None,
+  **kw,
+) -> Pipeline:
+  """Deterministic SFT eval pass: no shuffle, one epoch, final batch padded."""
+  return make_sft_pipeline(
+    files,
+    sft_format,
+    seq_len,
+    batch_size,
+    shuffle=False,
+    num_epochs=1,
+    drop_remainder=False,
+    pad_final_batch=True,
+    max_batches=max_batches,
+    shard_index=kw.pop("shard_index", 0),
+    shard_count=kw.pop("shard_count", 1),
+    **kw,
+  )

@@ -8,9 +8,10 @@ row (ragged: ``k_B`` of them are real); positions past a row's real length may h
 which is always overwritten before any query can see it (every mask also requires key <= query).
 Rollback (speculative modes) only resets per-row lengths and running sums.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Tuple
 
 import flax.struct
 import jax
@@ -62,8 +63,9 @@ def _take(x_BK, idx_B):
   return jnp.take_along_axis(x_BK, idx_B.reshape((-1, 1) + (1,) * (x_BK.ndim - 2)), axis=1)[:, 0]
 
 
-def init_state(cfg: ModelConfig, params, batch: int, length: int, with_mbp: bool,
-               n_copies: int = 0) -> DecodeState:
+def init_state(
+  cfg: ModelConfig, params, batch: int, length: int, with_mbp: bool, n_copies: int = 0
+) -> DecodeState:
   """Empty caches for ``length`` bytes; the LM module has already seen the null group.
   ``n_copies``: how many appended-copy candidates ``extend`` computes along (threshold mode)."""
   dt = jnp.dtype(cfg.dtype)
@@ -78,20 +80,38 @@ def init_state(cfg: ModelConfig, params, batch: int, length: int, with_mbp: bool
       mbp = _kv(cfg, cfg.n_mbp, batch, length, dt)
     null = jnp.broadcast_to(params["null_group"].astype(dt), (batch, 1, d))
     zero = jnp.zeros((batch,), jnp.int32)
-    z0, lm = _stack(cfg, params, "lm", null, jnp.zeros((batch, 1), jnp.int32),
-                    jnp.broadcast_to(jnp.arange(n_slots) == 0, (batch, 1, n_slots)), lm, zero)
+    z0, lm = _stack(
+      cfg,
+      params,
+      "lm",
+      null,
+      jnp.zeros((batch, 1), jnp.int32),
+      jnp.broadcast_to(jnp.arange(n_slots) == 0, (batch, 1, n_slots)),
+      lm,
+      zero,
+    )
     z = write_rows(jnp.zeros((batch, n_slots, d), dt), z0, zero)
     s = write_rows(jnp.zeros((batch, n_slots, d), dt), null, zero)
   k_mlp = cfg.n_mlp_mbp if with_mbp else 0
   return DecodeState(
-      ids=jnp.zeros((batch, length), jnp.int32), length=jnp.zeros((batch,), jnp.int32),
-      b=jnp.zeros((batch, length), jnp.int32), g=jnp.zeros((batch, length), jnp.int32),
-      enc=_kv(cfg, cfg.n_enc, batch, length, dt), dec=dec, mbp=mbp, lm=lm, z=z, s=s,
-      n_closed=jnp.zeros((batch,), jnp.int32), open_sum=jnp.zeros((batch, d), jnp.float32),
-      open_cnt=jnp.zeros((batch,), jnp.float32), last_nt=jnp.zeros((batch, v), jnp.float32),
-      last_mbp=jnp.zeros((batch, v if (with_mbp and cfg.has_lca) else 0), jnp.float32),
-      last_mlp=jnp.zeros((batch, k_mlp, v if k_mlp else 0), jnp.float32),
-      last_copies=jnp.zeros((batch, n_copies, v if n_copies else 0), jnp.float32))
+    ids=jnp.zeros((batch, length), jnp.int32),
+    length=jnp.zeros((batch,), jnp.int32),
+    b=jnp.zeros((batch, length), jnp.int32),
+    g=jnp.zeros((batch, length), jnp.int32),
+    enc=_kv(cfg, cfg.n_enc, batch, length, dt),
+    dec=dec,
+    mbp=mbp,
+    lm=lm,
+    z=z,
+    s=s,
+    n_closed=jnp.zeros((batch,), jnp.int32),
+    open_sum=jnp.zeros((batch, d), jnp.float32),
+    open_cnt=jnp.zeros((batch,), jnp.float32),
+    last_nt=jnp.zeros((batch, v), jnp.float32),
+    last_mbp=jnp.zeros((batch, v if (with_mbp and cfg.has_lca) else 0), jnp.float32),
+    last_mlp=jnp.zeros((batch, k_mlp, v if k_mlp else 0), jnp.float32),
+    last_copies=jnp.zeros((batch, n_copies, v if n_copies else 0), jnp.float32),
+  )
 
 
 def _group_sums(prev_close_BK, x_BKD, w_BK, carry_BD, carry_cnt_B):
@@ -125,8 +145,9 @@ def _spacebyte_closes(cfg, state, new_ids_BK, valid_BK):
   return closes.T
 
 
-def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_mbp: bool,
-           n_copies: int = 0):
+def extend(
+  cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_mbp: bool, n_copies: int = 0
+):
   """Feed K bytes per row (the first ``k_B`` real) through every stack. Returns the new state
   and per-position outputs: logits of each head and the running values needed for rollback.
 
@@ -149,8 +170,9 @@ def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_m
   if not cfg.hierarchical:
     nt = _apply(cfg, params, ByteLM.logits, h)
     out["nt_logits"] = nt
-    return state.replace(ids=ids, length=state.length + k_B, enc=enc,
-                         last_nt=keep(_take(nt, last), state.last_nt)), out
+    return state.replace(
+      ids=ids, length=state.length + k_B, enc=enc, last_nt=keep(_take(nt, last), state.last_nt)
+    ), out
 
   # boundaries and the running sums of the open group
   if cfg.boundaries == "spacebyte":
@@ -160,8 +182,9 @@ def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_m
   closes = closes & valid
   prev_close = jnp.concatenate([jnp.zeros_like(closes[:, :1]), closes[:, :-1]], axis=1)
   hf = h.astype(jnp.float32) * valid[..., None]
-  gsum, gcnt, seg = _group_sums(prev_close, hf, valid.astype(jnp.float32), state.open_sum,
-                                state.open_cnt)
+  gsum, gcnt, seg = _group_sums(
+    prev_close, hf, valid.astype(jnp.float32), state.open_sum, state.open_cnt
+  )
   pooled = (gsum / (gcnt[..., None] + 1e-9)).astype(h.dtype)
 
   # new latent slots: closing bytes, compacted in order, appended after n_closed
@@ -173,9 +196,10 @@ def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_m
   lm_mask = jnp.arange(n_slots)[None, None, :] <= slot_pos[:, :, None]
   # the LM module runs only when some row closed a group (Eff-FxT); else its cache is unchanged
   z_new, lm = jax.lax.cond(
-      jnp.any(closes),
-      lambda: _stack(cfg, params, "lm", new_s, slot_pos, lm_mask, state.lm, state.n_closed + 1),
-      lambda: (jnp.zeros_like(new_s), state.lm))
+    jnp.any(closes),
+    lambda: _stack(cfg, params, "lm", new_s, slot_pos, lm_mask, state.lm, state.n_closed + 1),
+    lambda: (jnp.zeros_like(new_s), state.lm),
+  )
   z = write_rows(state.z, z_new, state.n_closed + 1)
   s = write_rows(state.s, new_s, state.n_closed + 1)
 
@@ -187,8 +211,18 @@ def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_m
   h_nt, dec = _stack(cfg, params, "decoder", z_up + h, pos, causal, state.dec, state.length)
   nt = _apply(cfg, params, ByteLM.logits, h_nt)
   out.update(nt_logits=nt, h=hf, seg=seg, closes=closes, n_closed=u)
-  new = dict(ids=ids, length=state.length + k_B, b=bb, g=g, enc=enc, dec=dec, lm=lm, z=z, s=s,
-             n_closed=state.n_closed + cum[:, -1])
+  new = dict(
+    ids=ids,
+    length=state.length + k_B,
+    b=bb,
+    g=g,
+    enc=enc,
+    dec=dec,
+    lm=lm,
+    z=z,
+    s=s,
+    n_closed=state.n_closed + cum[:, -1],
+  )
   closed_last = _take(closes, last)
   new["open_sum"] = keep(jnp.where(closed_last[:, None], 0.0, _take(gsum, last)), state.open_sum)
   new["open_cnt"] = keep(jnp.where(closed_last, 0.0, _take(gcnt, last)), state.open_cnt)
@@ -203,20 +237,26 @@ def extend(cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_m
       grp = jnp.concatenate([grp, jnp.repeat(u_last[:, None], c, axis=1)], axis=1)
       order = jnp.concatenate([pos, (state.length + k_B)[:, None] + jnp.arange(c)[None]], 1)
     key_g = write_rows(g, grp, state.length)
-    h_m, mbp = _mbp_stack(cfg, params, state, m, grp, order, key_g,
-                          _key_order(state.length, k_B, k, c, length_cap))
+    h_m, mbp = _mbp_stack(
+      cfg, params, state, m, grp, order, key_g, _key_order(state.length, k_B, k, c, length_cap)
+    )
     mbp_logits = _apply(cfg, params, ByteLM.logits, h_m)
     out["mbp_logits"] = mbp_logits[:, :k]
     new.update(mbp=mbp, last_mbp=keep(_take(mbp_logits, last), state.last_mbp))
     if c:
       new["last_copies"] = keep(mbp_logits[:, k:], state.last_copies)
   if with_mbp and cfg.n_mlp_mbp:
-    mlp = jnp.stack([_apply(cfg, params, ByteLM.logits,
-                            _apply(cfg, params, ByteLM.mlp_head, i, h_nt))
-                     for i in range(cfg.n_mlp_mbp)], axis=1)  # [B, k, K, V]
+    mlp = jnp.stack(
+      [
+        _apply(cfg, params, ByteLM.logits, _apply(cfg, params, ByteLM.mlp_head, i, h_nt))
+        for i in range(cfg.n_mlp_mbp)
+      ],
+      axis=1,
+    )  # [B, k, K, V]
     out["mlp_logits"] = mlp
-    new["last_mlp"] = keep(jnp.take_along_axis(mlp, last[:, None, None, None], axis=2)[:, :, 0],
-                           state.last_mlp)
+    new["last_mlp"] = keep(
+      jnp.take_along_axis(mlp, last[:, None, None, None], axis=2)[:, :, 0], state.last_mlp
+    )
   return state.replace(**new), out
 
 
@@ -248,8 +288,9 @@ def mbp_copies(cfg: ModelConfig, params, state: DecodeState, n_copies: int):
   pos = state.length[:, None] + jnp.arange(n_copies)[None, :]
   grp = jnp.broadcast_to(u[:, None], (b, n_copies))
   g = write_rows(state.g, grp, state.length)
-  h, _ = _mbp_stack(cfg, params, state, m, grp, pos, g,
-                    jnp.broadcast_to(jnp.arange(length_cap), g.shape))
+  h, _ = _mbp_stack(
+    cfg, params, state, m, grp, pos, g, jnp.broadcast_to(jnp.arange(length_cap), g.shape)
+  )
   return _apply(cfg, params, ByteLM.logits, h)
 
 
@@ -268,8 +309,16 @@ def _mbp_stack(cfg, params, state: DecodeState, m_BQD, grp_BQ, ord_BQ, key_g_BL,
   length_cap, q = key_g_BL.shape[1], grp_BQ.shape[1]
   length = state.length
   slot = jnp.arange(length_cap)[None, :]
-  full = lambda: _stack(cfg, params, "mbp", m_BQD, ord_BQ,
-                        _lca_cache_mask(key_g_BL, grp_BQ, ord_BQ, key_ord_BL), state.mbp, length)
+  full = lambda: _stack(
+    cfg,
+    params,
+    "mbp",
+    m_BQD,
+    ord_BQ,
+    _lca_cache_mask(key_g_BL, grp_BQ, ord_BQ, key_ord_BL),
+    state.mbp,
+    length,
+  )
   w = MBP_WINDOW
   if w >= length_cap or q >= w:  # short caches, prefill
     return full()
@@ -280,8 +329,9 @@ def _mbp_stack(cfg, params, state: DecodeState, m_BQD, grp_BQ, ord_BQ, key_g_BL,
 
   def windowed():
     mask = _lca_cache_mask(win(key_g_BL, start), grp_BQ, ord_BQ, win(key_ord_BL, start))
-    out, new = _apply(cfg, params, ByteLM.stack_step, "mbp", m_BQD, ord_BQ, mask,
-                      list(state.mbp), length, start)
+    out, new = _apply(
+      cfg, params, ByteLM.stack_step, "mbp", m_BQD, ord_BQ, mask, list(state.mbp), length, start
+    )
     return out, tuple(new)
 
   fits = jnp.all(length + q - lo <= w)
@@ -305,13 +355,15 @@ def rollback(state: DecodeState, old: DecodeState, out: dict, a_B) -> DecodeStat
     open_cnt = jnp.sum(inside, axis=1) + carry[:, 0] * old.open_cnt
     closed_last = sel(out["closes"])
     new.update(
-        n_closed=keep(sel(out["n_closed"]), old.n_closed),
-        open_sum=keep(jnp.where(closed_last[:, None], 0.0, open_sum), old.open_sum),
-        open_cnt=keep(jnp.where(closed_last, 0.0, open_cnt), old.open_cnt))
+      n_closed=keep(sel(out["n_closed"]), old.n_closed),
+      open_sum=keep(jnp.where(closed_last[:, None], 0.0, open_sum), old.open_sum),
+      open_cnt=keep(jnp.where(closed_last, 0.0, open_cnt), old.open_cnt),
+    )
   if "mbp_logits" in out:
     new["last_mbp"] = keep(sel(out["mbp_logits"]), old.last_mbp)
   if "mlp_logits" in out:
     new["last_mlp"] = keep(
-        jnp.take_along_axis(out["mlp_logits"], last[:, None, None, None], axis=2)[:, :, 0],
-        old.last_mlp)
+      jnp.take_along_axis(out["mlp_logits"], last[:, None, None, None], axis=2)[:, :, 0],
+      old.last_mlp,
+    )
   return state.replace(**new)

@@ -11,13 +11,14 @@ Modes (docs/design.md §6.3) are small policies over the same cached ``extend``:
 MLP-MBP models draft from their MLP heads in every multi-byte mode. Rows of a batch advance
 independently (ragged prompts, per-row acceptance, per-row stop at eos or the byte budget).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import numbers
 import time
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +27,8 @@ import numpy as np
 from lca_jax import vocab
 from lca_jax.decode import cache
 from lca_jax.decode.sampling import SamplingParams, choose, log_probs, speculative_accept
-from lca_jax.model.config import ModelConfig
 from lca_jax.errors import LcaError
+from lca_jax.model.config import ModelConfig
 
 MODES = ("ntp", "threshold", "verify", "drafter")
 MAX_N = 64  # most bytes proposed per step (``n``) in the multi-byte modes
@@ -72,9 +73,17 @@ def _real_arg(name: str, v) -> float:
   return v
 
 
-def check_options(mode: str = "ntp", tau: float = 0.9, n: int = 3, max_bytes: int = 256,
-                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                  pad_to: int = 32) -> dict:
+def check_options(
+  mode: str = "ntp",
+  tau: float = 0.9,
+  n: int = 3,
+  max_bytes: int = 256,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  seed: int = 0,
+  pad_to: int = 32,
+) -> dict:
   """The decoding options of ``generate`` checked (types, ranges, NaN) without a model; returns
   them normalized (Python ints / floats). Raises ``DecodeError`` naming the first bad one.
 
@@ -85,8 +94,11 @@ def check_options(mode: str = "ntp", tau: float = 0.9, n: int = 3, max_bytes: in
     raise DecodeError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
   n = _int_arg("n", n)
   if mode != "ntp" and not 2 <= n <= MAX_N:
-    raise DecodeError(f"n must be >= 2 in {mode} mode (bytes proposed per step), got {n}"
-                      if n < 2 else f"n must be at most {MAX_N} (bytes proposed per step), got {n}")
+    raise DecodeError(
+      f"n must be >= 2 in {mode} mode (bytes proposed per step), got {n}"
+      if n < 2
+      else f"n must be at most {MAX_N} (bytes proposed per step), got {n}"
+    )
   max_bytes = _int_arg("max_bytes", max_bytes)
   if max_bytes < 1:
     raise DecodeError(f"max_bytes must be >= 1, got {max_bytes}")
@@ -106,8 +118,17 @@ def check_options(mode: str = "ntp", tau: float = 0.9, n: int = 3, max_bytes: in
   pad_to = _int_arg("pad_to", pad_to)
   if pad_to < 1:
     raise DecodeError(f"pad_to must be >= 1, got {pad_to}")
-  return dict(mode=mode, tau=tau, n=n, max_bytes=max_bytes, temperature=temperature,
-              top_k=top_k, top_p=top_p, seed=seed, pad_to=pad_to)
+  return dict(
+    mode=mode,
+    tau=tau,
+    n=n,
+    max_bytes=max_bytes,
+    temperature=temperature,
+    top_k=top_k,
+    top_p=top_p,
+    seed=seed,
+    pad_to=pad_to,
+  )
 
 
 def _is_model(m) -> bool:
@@ -117,6 +138,7 @@ def _is_model(m) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Everything static about a decode call (one compilation per Plan and shape)."""
+
   mode: str
   n: int
   greedy: bool
@@ -156,12 +178,17 @@ def _draft(cfg: ModelConfig, params, st, plan: Plan, key, sp, pending):
   else:
     cand = st.last_mbp[:, None]
     if plan.n > 2:  # threshold mode computed the copies during the last extend
-      copies = (st.last_copies if plan.copies_in_extend else
-                cache.mbp_copies(cfg, params, st, plan.n - 2))
+      copies = (
+        st.last_copies if plan.copies_in_extend else cache.mbp_copies(cfg, params, st, plan.n - 2)
+      )
       cand = jnp.concatenate([cand, copies], axis=1)
   tc, pc, lc = choose(cand, k2, sp, plan.greedy)
-  return (jnp.concatenate([t1[:, None], tc], 1), jnp.concatenate([p1[:, None], pc], 1),
-          jnp.concatenate([l1[:, None], lc], 1), forced)
+  return (
+    jnp.concatenate([t1[:, None], tc], 1),
+    jnp.concatenate([p1[:, None], pc], 1),
+    jnp.concatenate([l1[:, None], lc], 1),
+    forced,
+  )
 
 
 def _finalize(plan: Plan, d_BK, a_B, carry):
@@ -248,9 +275,17 @@ def _step(cfgs, params, plan: Plan, tau, sp, carry):
     jax.debug.callback(_emit, d, a, ordered=True)
   step = carry["step"]
   return dict(
-      carry, st=st, key=key, pending=new_pending, done=done, gen=carry["gen"] + a, step=step + 1,
-      per_step=carry["per_step"].at[step].set(a), n_cand=carry["n_cand"] + n_cand,
-      n_acc=carry["n_acc"] + jnp.where(n_cand > 0, acc, 0))
+    carry,
+    st=st,
+    key=key,
+    pending=new_pending,
+    done=done,
+    gen=carry["gen"] + a,
+    step=step + 1,
+    per_step=carry["per_step"].at[step].set(a),
+    n_cand=carry["n_cand"] + n_cand,
+    n_acc=carry["n_acc"] + jnp.where(n_cand > 0, acc, 0),
+  )
 
 
 def _run(cfgs, plan: Plan, length: int, params, prompt_BP, plen_B, key, tau, sp):
@@ -261,12 +296,18 @@ def _run(cfgs, plan: Plan, length: int, params, prompt_BP, plen_B, key, tau, sp)
   target_mbp = plan.mode in ("threshold", "verify")
   st = cache.init_state(cfg, p_t, b, length, target_mbp, plan.copies_in_extend)
   st, _ = cache.extend(cfg, p_t, st, prompt_BP, plen_B, target_mbp, plan.copies_in_extend)
-  carry = dict(st=st, key=key, pending=jnp.full((b,), -1, jnp.int32),
-               done=jnp.zeros((b,), bool), gen=jnp.zeros((b,), jnp.int32),
-               step=jnp.zeros((), jnp.int32),
-               per_step=jnp.zeros((plan.max_steps, b), jnp.int32),
-               n_cand=jnp.zeros((b,), jnp.int32), n_acc=jnp.zeros((b,), jnp.int32),
-               closed0=st.n_closed)
+  carry = dict(
+    st=st,
+    key=key,
+    pending=jnp.full((b,), -1, jnp.int32),
+    done=jnp.zeros((b,), bool),
+    gen=jnp.zeros((b,), jnp.int32),
+    step=jnp.zeros((), jnp.int32),
+    per_step=jnp.zeros((plan.max_steps, b), jnp.int32),
+    n_cand=jnp.zeros((b,), jnp.int32),
+    n_acc=jnp.zeros((b,), jnp.int32),
+    closed0=st.n_closed,
+  )
   if plan.mode == "drafter":
     dst = cache.init_state(dcfg, p_d, b, length, True)
     carry["dst"], _ = cache.extend(dcfg, p_d, dst, prompt_BP, plen_B, True)
@@ -274,9 +315,17 @@ def _run(cfgs, plan: Plan, length: int, params, prompt_BP, plen_B, key, tau, sp)
   body = lambda c: _step(cfgs, params, plan, tau, sp, c)
   c = jax.lax.while_loop(cond, body, carry)
   st = c["st"]
-  return dict(ids=st.ids, length=st.length, boundaries=st.b, per_step=c["per_step"],
-              steps=c["step"], n_cand=c["n_cand"], n_acc=c["n_acc"],
-              latents=st.n_closed - c["closed0"], gen=c["gen"])
+  return dict(
+    ids=st.ids,
+    length=st.length,
+    boundaries=st.b,
+    per_step=c["per_step"],
+    steps=c["step"],
+    n_cand=c["n_cand"],
+    n_acc=c["n_acc"],
+    latents=st.n_closed - c["closed0"],
+    gen=c["gen"],
+  )
 
 
 _COMPILED = {}
@@ -335,8 +384,9 @@ def _encode_prompts(prompts) -> List[np.ndarray]:
   try:
     prompts = list(prompts)
   except TypeError:
-    raise DecodeError(f"prompts must be a str, bytes, an id array or a list of them, got "
-                      f"{type(prompts).__name__}") from None
+    raise DecodeError(
+      f"prompts must be a str, bytes, an id array or a list of them, got {type(prompts).__name__}"
+    ) from None
   out = []
   for i, p in enumerate(prompts):
     if isinstance(p, str):
@@ -349,8 +399,10 @@ def _encode_prompts(prompts) -> List[np.ndarray]:
       except (TypeError, ValueError):
         a = np.asarray(None)
       if a.size and a.dtype.kind not in "iu":
-        raise DecodeError(f"prompt {i} must be a str, bytes or integer vocabulary ids, got "
-                          f"{type(p).__name__} of {a.dtype}")
+        raise DecodeError(
+          f"prompt {i} must be a str, bytes or integer vocabulary ids, got "
+          f"{type(p).__name__} of {a.dtype}"
+        )
       a = a.reshape(-1).astype(np.int64)
       if a.size and (a.min() < 0 or a.max() > np.iinfo(np.int32).max):
         raise DecodeError(f"prompt {i} has ids outside [0, {vocab.NUM_BASE_TOKENS})")
@@ -365,19 +417,27 @@ def _validate(model, mode, n, drafter, prompts):
   if mode == "drafter" and drafter is None:
     raise DecodeError("drafter mode needs a drafter model (an LCA-MBP or MLP-MBP checkpoint)")
   if mode == "drafter" and not _is_model(drafter):
-    raise DecodeError("drafter must be a model loaded with lca_jax.load(...) (an LCA-MBP or "
-                      f"MLP-MBP checkpoint), got {type(drafter).__name__} {drafter!r:.60}")
+    raise DecodeError(
+      "drafter must be a model loaded with lca_jax.load(...) (an LCA-MBP or "
+      f"MLP-MBP checkpoint), got {type(drafter).__name__} {drafter!r:.60}"
+    )
   drafting = drafter.cfg if mode == "drafter" else cfg
   if mode != "ntp" and not drafting.has_mbp:
     who = "the drafter" if mode == "drafter" else "this model"
-    raise DecodeError(f"{mode} mode needs a multi-byte head, and {who} has none "
-                      f"({drafting.kind}, n_mbp={drafting.n_mbp}); use --mode ntp")
+    raise DecodeError(
+      f"{mode} mode needs a multi-byte head, and {who} has none "
+      f"({drafting.kind}, n_mbp={drafting.n_mbp}); use --mode ntp"
+    )
   if mode != "ntp" and drafting.n_mlp_mbp and n - 1 > drafting.n_mlp_mbp:
-    raise DecodeError(f"an MLP-MBP model with {drafting.n_mlp_mbp} heads drafts at most "
-                      f"{drafting.n_mlp_mbp + 1} bytes per step; got n={n}")
+    raise DecodeError(
+      f"an MLP-MBP model with {drafting.n_mlp_mbp} heads drafts at most "
+      f"{drafting.n_mlp_mbp + 1} bytes per step; got n={n}"
+    )
   if mode == "drafter" and drafter.cfg.n_tokens != cfg.n_tokens:
-    raise DecodeError(f"the drafter's vocabulary ({drafter.cfg.n_tokens} ids) differs from the "
-                      f"verifier's ({cfg.n_tokens} ids); both must use the same byte vocabulary")
+    raise DecodeError(
+      f"the drafter's vocabulary ({drafter.cfg.n_tokens} ids) differs from the "
+      f"verifier's ({cfg.n_tokens} ids); both must use the same byte vocabulary"
+    )
   if not prompts:
     raise DecodeError("no prompt given")
   limit = min(cfg.max_seq_len, drafting.max_seq_len)
@@ -385,18 +445,34 @@ def _validate(model, mode, n, drafter, prompts):
     if p.size == 0:
       raise DecodeError(f"prompt {i} is empty; give at least one byte")
     if p.size > limit:
-      raise DecodeError(f"prompt {i} is {p.size} bytes, longer than the model context ({limit} bytes)")
+      raise DecodeError(
+        f"prompt {i} is {p.size} bytes, longer than the model context ({limit} bytes)"
+      )
     if p.size == limit:
-      raise DecodeError(f"prompt {i} is {p.size} bytes and fills the model context ({limit} "
-                        f"bytes): no room to generate; give at most {limit - 1} bytes")
+      raise DecodeError(
+        f"prompt {i} is {p.size} bytes and fills the model context ({limit} "
+        f"bytes): no room to generate; give at most {limit - 1} bytes"
+      )
     if p.min() < 0 or p.max() >= cfg.n_tokens:
       raise DecodeError(f"prompt {i} has ids outside [0, {cfg.n_tokens})")
 
 
-def generate(model, prompts: Union[str, Sequence[Any]], mode: str = "ntp", tau: float = 0.9,
-             n: int = 3, max_bytes: int = 256, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, drafter=None,
-             pad_to: int = 32, on_bytes=None) -> GenerateResult:
+def generate(
+  model,
+  prompts: Union[str, Sequence[Any]],
+  mode: str = "ntp",
+  tau: float = 0.9,
+  n: int = 3,
+  max_bytes: int = 256,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  seed: int = 0,
+  ignore_eos: bool = False,
+  drafter=None,
+  pad_to: int = 32,
+  on_bytes=None,
+) -> GenerateResult:
   """Decode continuations of ``prompts`` (a str, bytes, id array, or a list of them).
 
   A str is encoded as UTF-8 and bytes are taken as they are (any bytes, valid UTF-8 or not);
@@ -427,8 +503,15 @@ def generate(model, prompts: Union[str, Sequence[Any]], mode: str = "ntp", tau: 
   longest = max(p.size for p in enc)
   limit = min(cfg.max_seq_len, (dcfg or cfg).max_seq_len)
   max_bytes = max(1, min(requested, limit - longest))
-  plan = Plan(mode, n if mode != "ntp" else 1, temperature == 0, bool(ignore_eos), max_bytes, source,
-              stream=on_bytes is not None)
+  plan = Plan(
+    mode,
+    n if mode != "ntp" else 1,
+    temperature == 0,
+    bool(ignore_eos),
+    max_bytes,
+    source,
+    stream=on_bytes is not None,
+  )
   p_len = -(-longest // pad_to) * pad_to
   length = p_len + max_bytes + 2 * plan.width + 1  # room for a block + copies past the end
   prompt = np.zeros((len(enc), p_len), np.int32)
@@ -437,8 +520,14 @@ def generate(model, prompts: Union[str, Sequence[Any]], mode: str = "ntp", tau: 
   plen = np.array([p.size for p in enc], np.int32)
   sp = SamplingParams(jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p))
   params = (model.params, drafter.params if dcfg is not None else None)
-  args = (params, jnp.asarray(prompt), jnp.asarray(plen), jax.random.PRNGKey(seed),
-          jnp.float32(tau), sp)
+  args = (
+    params,
+    jnp.asarray(prompt),
+    jnp.asarray(plen),
+    jax.random.PRNGKey(seed),
+    jnp.float32(tau),
+    sp,
+  )
   exe, compile_s = _compiled((cfg, dcfg), plan, length, args)
   _SINK[0] = on_bytes
   try:
@@ -464,12 +553,12 @@ def _collect(res, enc, plan: Plan, elapsed, compile_s, requested=None) -> Genera
   steps = int(res["steps"])
   hist = {}
   for i, p in enumerate(enc):
-    g = res["ids"][i, p.size: res["length"][i]]
+    g = res["ids"][i, p.size : res["length"][i]]
     ids.append(g)
     reasons.append(_stop_reason(g, plan, requested))
     texts.append(vocab.decode(g))
     pbds.append(res["boundaries"][i, : p.size])
-    bds.append(res["boundaries"][i, p.size: res["length"][i]])
+    bds.append(res["boundaries"][i, p.size : res["length"][i]])
     row = [int(x) for x in res["per_step"][:steps, i] if x > 0]
     per_step.append(row)
     for x in row:
@@ -477,9 +566,18 @@ def _collect(res, enc, plan: Plan, elapsed, compile_s, requested=None) -> Genera
   total = int(np.sum(res["gen"]))
   n_cand = int(np.sum(res["n_cand"]))
   return GenerateResult(
-      texts=texts, ids=ids, prompt_boundaries=pbds, boundaries=bds, accepted_per_step=per_step,
-      histogram=dict(sorted(hist.items())),
-      acceptance_rate=float(np.sum(res["n_acc"]) / n_cand) if n_cand else float("nan"),
-      latent_steps_per_byte=float(np.sum(res["latents"]) / max(total, 1)),
-      bytes_per_s=total / elapsed if elapsed > 0 else float("inf"), elapsed_s=elapsed,
-      compile_s=compile_s, steps=steps, stop_reasons=reasons, budget=plan.max_bytes)
+    texts=texts,
+    ids=ids,
+    prompt_boundaries=pbds,
+    boundaries=bds,
+    accepted_per_step=per_step,
+    histogram=dict(sorted(hist.items())),
+    acceptance_rate=float(np.sum(res["n_acc"]) / n_cand) if n_cand else float("nan"),
+    latent_steps_per_byte=float(np.sum(res["latents"]) / max(total, 1)),
+    bytes_per_s=total / elapsed if elapsed > 0 else float("inf"),
+    elapsed_s=elapsed,
+    compile_s=compile_s,
+    steps=steps,
+    stop_reasons=reasons,
+    budget=plan.max_bytes,
+  )

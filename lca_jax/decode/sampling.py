@@ -1,4 +1,5 @@
 """Turning logits into bytes: temperature, top-k, top-p, greedy; speculative acceptance."""
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -11,6 +12,7 @@ NEG = -1e30
 
 class SamplingParams(NamedTuple):
   """Dynamic sampling knobs (traced: no recompilation when they change)."""
+
   temperature: jax.Array  # > 0 (ignored when greedy)
   top_k: jax.Array  # int32, 0 = off
   top_p: jax.Array  # float32, 1.0 = off
@@ -22,7 +24,9 @@ def log_probs(logits, sp: SamplingParams):
   v = x.shape[-1]
   srt = jnp.sort(x, axis=-1)[..., ::-1]
   k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v)
-  kth = jnp.take_along_axis(srt, jnp.broadcast_to(k - 1, x.shape[:-1])[..., None].astype(jnp.int32), -1)
+  kth = jnp.take_along_axis(
+    srt, jnp.broadcast_to(k - 1, x.shape[:-1])[..., None].astype(jnp.int32), -1
+  )
   x = jnp.where(x < kth, NEG, x)
   srt = jnp.where(srt < kth, NEG, srt)
   cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)

@@ -7,6 +7,7 @@ Targets follow ``lca_jax.model.loss``: x_{t+k} counts when it lies in byte t's d
 with a ``loss_mask``, when the mask marks it).  NT predicts x_{t+1}, the LCA-MBP head x_{t+2},
 MLP-MBP head k x_{t+1+k}.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,6 +28,7 @@ PERCENTILES = (10, 50, 90, 99)
 def _sums_fn(cfg):
   """One jitted forward + CE sums per model config (reused across calls and batches)."""
   from lca_jax.model.hierarchical import ByteLM  # pylint: disable=g-import-not-at-top
+
   module = ByteLM(cfg)
   return jax.jit(lambda params, batch: _sums(module, params, batch))
 
@@ -127,8 +129,9 @@ class _Accumulator:
     return out
 
 
-def evaluate_bpb(model, batches: Iterable[dict], max_batches: Optional[int] = None,
-                 progress: bool = False) -> dict:
+def evaluate_bpb(
+  model, batches: Iterable[dict], max_batches: Optional[int] = None, progress: bool = False
+) -> dict:
   """Bits per byte of the NT head (``bpb_ntp``), the LCA-MBP head (``bpb_mbp``) or each MLP-MBP
   head (``bpb_mlp_mbp_k``, and their mean), with target counts; for hierarchical models also
   ``bytes_per_latent``, ``boundary_rate`` (closed groups / real bytes), ``group_len_mean`` /
@@ -143,6 +146,7 @@ def evaluate_bpb(model, batches: Iterable[dict], max_batches: Optional[int] = No
   it = batches
   if progress:
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
     it = tqdm(batches, total=max_batches, desc="bpb", unit="batch")
   for i, batch in enumerate(it):
     if max_batches is not None and i >= max_batches:
@@ -152,7 +156,9 @@ def evaluate_bpb(model, batches: Iterable[dict], max_batches: Optional[int] = No
     if "segment_ids" not in b:
       b["segment_ids"] = jnp.ones_like(b["ids"])
     if "positions" not in b:
-      b["positions"] = jnp.broadcast_to(jnp.arange(b["ids"].shape[1], dtype=jnp.int32), b["ids"].shape)
+      b["positions"] = jnp.broadcast_to(
+        jnp.arange(b["ids"].shape[1], dtype=jnp.int32), b["ids"].shape
+      )
     res = jax.device_get(fn(model.params, b))
     acc.add(res, {"segment_ids": np.asarray(b["segment_ids"])})
   out = acc.result()

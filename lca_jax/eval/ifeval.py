@@ -29,6 +29,7 @@ any of 8 variants passes: the response, with its first line removed, last line r
 removed, and each of those four with every ``*`` deleted.  Strict: the response itself (empty
 responses fail).
 """
+
 from __future__ import annotations
 
 import collections
@@ -52,9 +53,15 @@ def count_words(text: str) -> int:
 
 
 _ALPHA, _PREFIX, _SUFFIX = "([A-Za-z])", "(Mr|St|Mrs|Ms|Dr)[.]", "(Inc|Ltd|Jr|Sr|Co)"
-_STARTERS = (r"(Mr|Mrs|Ms|Dr|Prof|Capt|Cpt|Lt|He\s|She\s|It\s|They\s|Their\s|Our\s|We\s|But\s|"
-             r"However\s|That\s|This\s|Wherever)")
-_ACRONYM, _WEBSITE, _DIGIT = "([A-Z][.][A-Z][.](?:[A-Z][.])?)", "[.](com|net|org|io|gov|edu|me)", "([0-9])"
+_STARTERS = (
+  r"(Mr|Mrs|Ms|Dr|Prof|Capt|Cpt|Lt|He\s|She\s|It\s|They\s|Their\s|Our\s|We\s|But\s|"
+  r"However\s|That\s|This\s|Wherever)"
+)
+_ACRONYM, _WEBSITE, _DIGIT = (
+  "([A-Z][.][A-Z][.](?:[A-Z][.])?)",
+  "[.](com|net|org|io|gov|edu|me)",
+  "([0-9])",
+)
 
 
 def split_sentences(text: str) -> List[str]:
@@ -92,7 +99,9 @@ def _frequency(r, kw):
 
 
 def _forbidden(r, kw):
-  return not any(re.search(r"\b" + w + r"\b", r, flags=re.IGNORECASE) for w in kw["forbidden_words"])
+  return not any(
+    re.search(r"\b" + w + r"\b", r, flags=re.IGNORECASE) for w in kw["forbidden_words"]
+  )
 
 
 def _letter_frequency(r, kw):
@@ -181,7 +190,7 @@ def _json(r, kw):
   v = r.strip()
   for pre in ("```json", "```Json", "```JSON", "```"):
     if v.startswith(pre):
-      v = v[len(pre):]
+      v = v[len(pre) :]
       break
   if v.endswith("```"):
     v = v[:-3]
@@ -239,30 +248,30 @@ def _no_comma(r, kw):
 
 
 CHECKERS: Dict[str, Callable[[str, dict], bool]] = {
-    "keywords:existence": _existence,
-    "keywords:frequency": _frequency,
-    "keywords:forbidden_words": _forbidden,
-    "keywords:letter_frequency": _letter_frequency,
-    "length_constraints:number_words": _number_words,
-    "length_constraints:number_sentences": _number_sentences,
-    "length_constraints:number_paragraphs": _number_paragraphs,
-    "length_constraints:nth_paragraph_first_word": _nth_paragraph_first_word,
-    "detectable_content:number_placeholders": _placeholders,
-    "detectable_content:postscript": _postscript,
-    "detectable_format:number_bullet_lists": _bullets,
-    "detectable_format:constrained_response": _constrained,
-    "detectable_format:number_highlighted_sections": _highlights,
-    "detectable_format:multiple_sections": _sections,
-    "detectable_format:json_format": _json,
-    "detectable_format:title": _title,
-    "combination:two_responses": _two_responses,
-    "combination:repeat_prompt": _repeat_prompt,
-    "startend:end_checker": _end_checker,
-    "startend:quotation": _quotation,
-    "change_case:capital_word_frequency": _capital_words,
-    "change_case:english_capital": _all_capital,
-    "change_case:english_lowercase": _all_lower,
-    "punctuation:no_comma": _no_comma,
+  "keywords:existence": _existence,
+  "keywords:frequency": _frequency,
+  "keywords:forbidden_words": _forbidden,
+  "keywords:letter_frequency": _letter_frequency,
+  "length_constraints:number_words": _number_words,
+  "length_constraints:number_sentences": _number_sentences,
+  "length_constraints:number_paragraphs": _number_paragraphs,
+  "length_constraints:nth_paragraph_first_word": _nth_paragraph_first_word,
+  "detectable_content:number_placeholders": _placeholders,
+  "detectable_content:postscript": _postscript,
+  "detectable_format:number_bullet_lists": _bullets,
+  "detectable_format:constrained_response": _constrained,
+  "detectable_format:number_highlighted_sections": _highlights,
+  "detectable_format:multiple_sections": _sections,
+  "detectable_format:json_format": _json,
+  "detectable_format:title": _title,
+  "combination:two_responses": _two_responses,
+  "combination:repeat_prompt": _repeat_prompt,
+  "startend:end_checker": _end_checker,
+  "startend:quotation": _quotation,
+  "change_case:capital_word_frequency": _capital_words,
+  "change_case:english_capital": _all_capital,
+  "change_case:english_lowercase": _all_lower,
+  "punctuation:no_comma": _no_comma,
 }
 UNSUPPORTED = ("language:response_language",)
 
@@ -276,7 +285,9 @@ def loose_variants(response: str) -> List[str]:
   return base + [v.replace("*", "") for v in base]
 
 
-def check(instruction_id: str, response: str, kwargs: dict | None = None, loose: bool = False) -> bool:
+def check(
+  instruction_id: str, response: str, kwargs: dict | None = None, loose: bool = False
+) -> bool:
   """Is ``instruction_id`` (with ``kwargs``) followed by ``response``? KeyError if unsupported."""
   fn = CHECKERS[instruction_id]
   kw = {k: v for k, v in (kwargs or {}).items() if v is not None}
@@ -317,9 +328,12 @@ def evaluate(records: Sequence[dict], responses: Sequence[str]) -> dict:
         prompt[mode][1] += 1
   pct = lambda a: 100.0 * a[0] / a[1] if a[1] else float("nan")  # noqa: E731
   return {
-      "instruction_loose": pct(inst["loose"]), "instruction_strict": pct(inst["strict"]),
-      "prompt_loose": pct(prompt["loose"]), "prompt_strict": pct(prompt["strict"]),
-      "n_instructions": inst["loose"][1], "n_prompts": prompt["loose"][1],
-      "unsupported": dict(unsupported),
-      "per_instruction_loose": {k: pct(v) for k, v in sorted(per_type.items())},
+    "instruction_loose": pct(inst["loose"]),
+    "instruction_strict": pct(inst["strict"]),
+    "prompt_loose": pct(prompt["loose"]),
+    "prompt_strict": pct(prompt["strict"]),
+    "n_instructions": inst["loose"][1],
+    "n_prompts": prompt["loose"][1],
+    "unsupported": dict(unsupported),
+    "per_instruction_loose": {k: pct(v) for k, v in sorted(per_type.items())},
   }

@@ -2,6 +2,7 @@
 
 Every corpus-level score is on a 0-100 scale.
 """
+
 from __future__ import annotations
 
 import collections
@@ -12,10 +13,13 @@ from typing import Dict, List, Sequence
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
 
-def rouge(predictions: Sequence[str], references: Sequence[str], use_stemmer: bool = True) -> Dict[str, float]:
+def rouge(
+  predictions: Sequence[str], references: Sequence[str], use_stemmer: bool = True
+) -> Dict[str, float]:
   """Mean ROUGE F-measures x 100 (rouge1, rouge2, rougeL, rougeLsum; Porter stemming as in
   the usual CNN/DailyMail setup; rougeLsum splits summaries at newlines)."""
   from rouge_score import rouge_scorer  # pylint: disable=g-import-not-at-top
+
   _check_lengths(predictions, references)
   scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=use_stemmer)
   tot = {k: 0.0 for k in ROUGE_TYPES}
@@ -30,6 +34,7 @@ def rouge(predictions: Sequence[str], references: Sequence[str], use_stemmer: bo
 def bleu(predictions: Sequence[str], references: Sequence[str]) -> float:
   """Corpus BLEU (sacrebleu defaults: 13a tokenisation, exponential smoothing off)."""
   import sacrebleu  # pylint: disable=g-import-not-at-top
+
   _check_lengths(predictions, references)
   return float(sacrebleu.corpus_bleu(list(predictions), [list(references)]).score)
 
@@ -37,6 +42,7 @@ def bleu(predictions: Sequence[str], references: Sequence[str]) -> float:
 def chrf(predictions: Sequence[str], references: Sequence[str]) -> float:
   """Corpus chrF (sacrebleu defaults: character 6-grams, beta 2)."""
   import sacrebleu  # pylint: disable=g-import-not-at-top
+
   _check_lengths(predictions, references)
   return float(sacrebleu.corpus_chrf(list(predictions), [list(references)]).score)
 
@@ -89,7 +95,7 @@ def coqa_turn_scores(golds: Sequence[str], pred: str) -> Dict[str, float]:
     return {"f1": f1_score(golds[0], pred), "em": float(exact_match(golds[0], pred))}
   f1 = em = 0.0
   for i in range(len(golds)):
-    rest = golds[:i] + golds[i + 1:]
+    rest = golds[:i] + golds[i + 1 :]
     f1 += max(f1_score(g, pred) for g in rest)
     em += max(exact_match(g, pred) for g in rest)
   return {"f1": f1 / len(golds), "em": em / len(golds)}

@@ -8,6 +8,7 @@
 * ``accepted_hist.png`` (Fig. 7): share of decoding steps accepting k multi-byte candidates, for
   the largest-n run of every (checkpoint, mode), with the mean in the legend.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,10 @@ MARKERS = {"ntp": "o", "threshold": "*", "verify": "s", "drafter": "D"}
 
 def _plt():
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg", force=True)
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   return plt
 
 
@@ -32,7 +35,9 @@ def pareto_front(points: Sequence[tuple]) -> List[int]:
   in one), sorted by throughput."""
   front = []
   for i, (x, y) in enumerate(points):
-    dominated = any((x2 >= x and y2 >= y) and (x2 > x or y2 > y) for j, (x2, y2) in enumerate(points) if j != i)
+    dominated = any(
+      (x2 >= x and y2 >= y) and (x2 > x or y2 > y) for j, (x2, y2) in enumerate(points) if j != i
+    )
     if not dominated:
       front.append(i)
   return sorted(front, key=lambda i: points[i][0])
@@ -64,8 +69,14 @@ def quality_vs_throughput(runs: Sequence[Dict], path: str, title: str = "") -> s
     colors = {lab: plt.cm.tab10(i % 10) for i, lab in enumerate(labels)}
     pts = [(r["bytes_per_s"], r["quality"]) for r in runs]
     for r, (x, y) in zip(runs, pts):
-      ax.scatter([x], [y], marker=MARKERS.get(r["mode"], "o"), s=120 if r["mode"] == "threshold" else 60,
-                 color=colors[r["label"]], zorder=3)
+      ax.scatter(
+        [x],
+        [y],
+        marker=MARKERS.get(r["mode"], "o"),
+        s=120 if r["mode"] == "threshold" else 60,
+        color=colors[r["label"]],
+        zorder=3,
+      )
       ax.annotate(_label(r), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     front = pareto_front(pts)
     fx, fy = [pts[i][0] for i in front], [pts[i][1] for i in front]
@@ -105,8 +116,13 @@ def throughput_vs_n(runs: Sequence[Dict], path: str, title: str = "") -> str:
     for r in runs:
       if r["mode"] == "ntp":
         ax.axhline(r["bytes_per_s"], ls="--", lw=1, color="gray")
-        ax.annotate(f"{r['label']} ntp", (ax.get_xlim()[0], r["bytes_per_s"]), fontsize=7,
-                    textcoords="offset points", xytext=(2, 2))
+        ax.annotate(
+          f"{r['label']} ntp",
+          (ax.get_xlim()[0], r["bytes_per_s"]),
+          fontsize=7,
+          textcoords="offset points",
+          xytext=(2, 2),
+        )
     ax.set_xlabel("candidate bytes n")
     ax.set_ylabel("throughput (bytes/s)")
     ax.legend(fontsize=8)

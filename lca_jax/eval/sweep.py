@@ -7,6 +7,7 @@ combination the checkpoint cannot serve (e.g. threshold on a model without a mul
 n beyond an MLP-MBP model's heads) is recorded under ``skipped`` with the reason.
 In ``drafter`` mode the checkpoint verifies and ``--drafter`` drafts (paper Fig. 8).
 """
+
 from __future__ import annotations
 
 import os
@@ -37,10 +38,16 @@ def grid(modes: Sequence[str], taus: Sequence[float], ns: Sequence[int]) -> List
 
 def machine_info() -> Dict[str, Any]:
   import jax  # pylint: disable=g-import-not-at-top
+
   dev = jax.devices()[0]
-  return {"backend": jax.default_backend(), "device_kind": dev.device_kind,
-          "device_count": jax.device_count(), "python": platform.python_version(),
-          "jax": jax.__version__, "machine": platform.machine()}
+  return {
+    "backend": jax.default_backend(),
+    "device_kind": dev.device_kind,
+    "device_count": jax.device_count(),
+    "python": platform.python_version(),
+    "jax": jax.__version__,
+    "machine": platform.machine(),
+  }
 
 
 def _labels(paths: Sequence[str]) -> List[str]:
@@ -65,8 +72,10 @@ def check_out_dir(path: str) -> str:
   """``path`` can hold a sweep's outputs: a directory, or nothing yet (an existing file is
   refused: it would be neither overwritten nor usable)."""
   if os.path.exists(path) and not os.path.isdir(path):
-    raise tasks.TaskError(f"--out {path} exists and is not a directory (the sweep writes "
-                          "sweep.json and plots into a directory)")
+    raise tasks.TaskError(
+      f"--out {path} exists and is not a directory (the sweep writes "
+      "sweep.json and plots into a directory)"
+    )
   return path
 
 
@@ -84,14 +93,27 @@ def write_json(obj, path: str) -> str:
   return path
 
 
-def run_sweep(checkpoints: Sequence[str], task: str, data: str, out_dir: str,
-              modes: Sequence[str] = ("ntp", "threshold"), taus: Sequence[float] = (0.9,),
-              ns: Sequence[int] = (3,), drafter: Optional[str] = None, limit: Optional[int] = None,
-              max_bytes: Optional[int] = None, batch_size: int = 1, metric: Optional[str] = None,
-              seed: int = 0, progress: bool = True, loader=None) -> Dict[str, Any]:
+def run_sweep(
+  checkpoints: Sequence[str],
+  task: str,
+  data: str,
+  out_dir: str,
+  modes: Sequence[str] = ("ntp", "threshold"),
+  taus: Sequence[float] = (0.9,),
+  ns: Sequence[int] = (3,),
+  drafter: Optional[str] = None,
+  limit: Optional[int] = None,
+  max_bytes: Optional[int] = None,
+  batch_size: int = 1,
+  metric: Optional[str] = None,
+  seed: int = 0,
+  progress: bool = True,
+  loader=None,
+) -> Dict[str, Any]:
   """Run the grid and write ``sweep.json`` and the PNGs into ``out_dir``; returns the table."""
   import lca_jax  # pylint: disable=g-import-not-at-top
   from lca_jax.decode.engine import DecodeError  # pylint: disable=g-import-not-at-top
+
   tasks.check_task(task)
   check_out_dir(out_dir)
   combos = grid(modes, taus, ns)
@@ -109,6 +131,7 @@ def run_sweep(checkpoints: Sequence[str], task: str, data: str, out_dir: str,
   bar = None
   if progress:
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
     bar = tqdm(total=len(models) * len(combos), desc=f"sweep {task}", unit="run")
   for path, label, model in zip(checkpoints, _labels(checkpoints), models):
     for mode, tau, n in combos:
@@ -119,10 +142,20 @@ def run_sweep(checkpoints: Sequence[str], task: str, data: str, out_dir: str,
         skipped.append(dict(info, reason="drafter mode needs --drafter"))
       else:
         try:
-          r = tasks.run_task(model, task, examples, mode=mode, tau=0.9 if tau is None else tau, n=max(n, 2),
-                             max_bytes=max_bytes, batch_size=batch_size,
-                             drafter=drafter_model if mode == "drafter" else None, seed=seed, metric=metric,
-                             keep_outputs=False)
+          r = tasks.run_task(
+            model,
+            task,
+            examples,
+            mode=mode,
+            tau=0.9 if tau is None else tau,
+            n=max(n, 2),
+            max_bytes=max_bytes,
+            batch_size=batch_size,
+            drafter=drafter_model if mode == "drafter" else None,
+            seed=seed,
+            metric=metric,
+            keep_outputs=False,
+          )
           r.update(info, tau=tau, n=n)
           runs.append(r)
         except DecodeError as e:
@@ -132,18 +165,30 @@ def run_sweep(checkpoints: Sequence[str], task: str, data: str, out_dir: str,
   if bar is not None:
     bar.close()
   result = {
-      "task": task, "data": os.path.abspath(data), "examples": len(examples),
-      "metric": metric or tasks.HEADLINE[task], "checkpoints": list(checkpoints), "drafter": drafter,
-      "grid": {"modes": list(modes), "taus": list(taus), "ns": list(ns)},
-      "max_bytes": max_bytes, "batch_size": batch_size, "seed": seed, "machine": machine_info(),
-      "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": runs, "skipped": skipped,
+    "task": task,
+    "data": os.path.abspath(data),
+    "examples": len(examples),
+    "metric": metric or tasks.HEADLINE[task],
+    "checkpoints": list(checkpoints),
+    "drafter": drafter,
+    "grid": {"modes": list(modes), "taus": list(taus), "ns": list(ns)},
+    "max_bytes": max_bytes,
+    "batch_size": batch_size,
+    "seed": seed,
+    "machine": machine_info(),
+    "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    "runs": runs,
+    "skipped": skipped,
   }
   title = f"{task} ({len(examples)} examples)"
   result["plots"] = {
-      "quality_vs_throughput": plots.quality_vs_throughput(
-          runs, os.path.join(out_dir, "quality_vs_throughput.png"), title),
-      "throughput_vs_n": plots.throughput_vs_n(runs, os.path.join(out_dir, "throughput_vs_n.png"), title),
-      "accepted_hist": plots.accepted_hist(runs, os.path.join(out_dir, "accepted_hist.png"), title),
+    "quality_vs_throughput": plots.quality_vs_throughput(
+      runs, os.path.join(out_dir, "quality_vs_throughput.png"), title
+    ),
+    "throughput_vs_n": plots.throughput_vs_n(
+      runs, os.path.join(out_dir, "throughput_vs_n.png"), title
+    ),
+    "accepted_hist": plots.accepted_hist(runs, os.path.join(out_dir, "accepted_hist.png"), title),
   }
   write_json(result, os.path.join(out_dir, "sweep.json"))
   return result

@@ -24,6 +24,7 @@ step and row, how many multi-byte candidates were accepted (paper Fig. 7; thresh
 modes count the bytes after the always-accepted NT byte; drafter mode counts drafted bytes the
 verifier kept).  ``committed_hist``: bytes committed per step.
 """
+
 from __future__ import annotations
 
 import collections
@@ -36,16 +37,25 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from lca_jax.data import sft_format
-from lca_jax.decode import engine
 from lca_jax.data.errors import DataError
 from lca_jax.data.readers import _read_bytes
-from lca_jax.eval import ifeval, metrics
+from lca_jax.decode import engine
 from lca_jax.errors import LcaError
+from lca_jax.eval import ifeval, metrics
 
 TASKS = ("summarization", "translation", "qa", "ifeval")
-TASK_FORMAT = {"summarization": "summarization", "translation": "translation", "qa": "qa",
-               "ifeval": "ifeval"}
-HEADLINE = {"summarization": "rougeL", "translation": "bleu", "qa": "f1", "ifeval": "instruction_loose"}
+TASK_FORMAT = {
+  "summarization": "summarization",
+  "translation": "translation",
+  "qa": "qa",
+  "ifeval": "ifeval",
+}
+HEADLINE = {
+  "summarization": "rougeL",
+  "translation": "bleu",
+  "qa": "f1",
+  "ifeval": "instruction_loose",
+}
 DEFAULT_MAX_BYTES = {"summarization": 512, "translation": 256, "qa": 64, "ifeval": 1024}
 SAMPLING = {"ifeval": dict(temperature=0.7, top_p=0.9)}  # everything else: greedy
 
@@ -92,8 +102,9 @@ def _records(path: str):
   yield from sft_format.read_jsonl(path)
 
 
-def load_examples(task: str, path: str, limit: Optional[int] = None,
-                  max_prompt_bytes: Optional[int] = None) -> List[Example]:
+def load_examples(
+  task: str, path: str, limit: Optional[int] = None, max_prompt_bytes: Optional[int] = None
+) -> List[Example]:
   """Prompts and references of ``task`` from ``path`` (first ``limit`` examples)."""
   check_task(task)
   fmt = TASK_FORMAT[task]
@@ -108,7 +119,9 @@ def load_examples(task: str, path: str, limit: Optional[int] = None,
           refs = sft_format.qa_references(r)
         elif task == "ifeval":
           if not isinstance(r.get("instruction_id_list"), list):
-            raise sft_format.ExampleError("needs 'instruction_id_list' (official IFEval input_data.jsonl)")
+            raise sft_format.ExampleError(
+              "needs 'instruction_id_list' (official IFEval input_data.jsonl)"
+            )
           refs = []
         else:
           refs = [target]
@@ -141,11 +154,23 @@ def _bucket(n: int) -> int:
   return max(32, 1 << (int(n) - 1).bit_length())
 
 
-def run_task(model, task: str, examples: Sequence[Example], mode: str = "ntp", tau: float = 0.9,
-             n: int = 3, max_bytes: Optional[int] = None, batch_size: int = 1, drafter=None,
-             seed: int = 0, metric: Optional[str] = None, progress: bool = False,
-             keep_outputs: bool = True, temperature: Optional[float] = None,
-             top_p: Optional[float] = None) -> Dict[str, Any]:
+def run_task(
+  model,
+  task: str,
+  examples: Sequence[Example],
+  mode: str = "ntp",
+  tau: float = 0.9,
+  n: int = 3,
+  max_bytes: Optional[int] = None,
+  batch_size: int = 1,
+  drafter=None,
+  seed: int = 0,
+  metric: Optional[str] = None,
+  progress: bool = False,
+  keep_outputs: bool = True,
+  temperature: Optional[float] = None,
+  top_p: Optional[float] = None,
+) -> Dict[str, Any]:
   """Decode ``examples`` and score them; returns a JSON-able dict (see module docstring)."""
   check_task(task)
   max_bytes = int(max_bytes or DEFAULT_MAX_BYTES[task])
@@ -156,7 +181,7 @@ def run_task(model, task: str, examples: Sequence[Example], mode: str = "ntp", t
   if top_p is not None:
     samp["top_p"] = float(top_p)
   order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids))
-  batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+  batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
   texts: List[Optional[str]] = [None] * len(examples)
   committed, accepted = collections.Counter(), collections.Counter()
   gen_bytes = steps = 0
@@ -167,6 +192,7 @@ def run_task(model, task: str, examples: Sequence[Example], mode: str = "ntp", t
   it = batches
   if progress:
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
     it = tqdm(batches, desc=f"{task}/{mode}", unit="batch", leave=False)
   for bi, idx in enumerate(it):
     real = len(idx)
@@ -174,8 +200,17 @@ def run_task(model, task: str, examples: Sequence[Example], mode: str = "ntp", t
     prompts = [examples[i].prompt_ids for i in rows]
     pad_to = _bucket(max(len(p) for p in prompts))
     before = engine.compiled_count()
-    res = model.generate(prompts, mode=mode, tau=tau, n=n, max_bytes=max_bytes, seed=seed + bi,
-                         drafter=drafter, pad_to=pad_to, **samp)
+    res = model.generate(
+      prompts,
+      mode=mode,
+      tau=tau,
+      n=n,
+      max_bytes=max_bytes,
+      seed=seed + bi,
+      drafter=drafter,
+      pad_to=pad_to,
+      **samp,
+    )
     if engine.compiled_count() > before:
       compile_s += res.compile_s
       compiles += 1
@@ -193,27 +228,41 @@ def run_task(model, task: str, examples: Sequence[Example], mode: str = "ntp", t
         elif mode == "drafter":
           accepted[c] += 1
     if mode != "ntp" and not math.isnan(res.acceptance_rate):
-      w = sum(len(r) for r in res.accepted_per_step)  # steps x rows: proposals are constant per step
+      w = sum(
+        len(r) for r in res.accepted_per_step
+      )  # steps x rows: proposals are constant per step
       acc_num += res.acceptance_rate * w
       acc_den += w
   scores = score(task, texts, examples)
   metric = metric or HEADLINE[task]
   if metric not in scores:
-    raise TaskError(f"metric {metric!r} is not reported for {task}; choose one of "
-                    f"{', '.join(k for k, v in scores.items() if isinstance(v, (int, float)))}")
+    raise TaskError(
+      f"metric {metric!r} is not reported for {task}; choose one of "
+      f"{', '.join(k for k, v in scores.items() if isinstance(v, (int, float)))}"
+    )
   out = {
-      "task": task, "mode": mode, "tau": tau if mode == "threshold" else None,
-      "n": n if mode != "ntp" else 1, "batch_size": batch_size, "max_bytes": max_bytes,
-      "temperature": samp["temperature"], "top_p": samp["top_p"],
-      "examples": len(examples), "metric": metric, "quality": float(scores[metric]),
-      "metrics": scores,
-      "acceptance_rate": acc_num / acc_den if acc_den else float("nan"),
-      "bytes_per_s": gen_bytes / elapsed if elapsed > 0 else float("nan"),
-      "generated_bytes": gen_bytes, "steps": steps, "elapsed_s": elapsed, "compile_s": compile_s,
-      "compiles": compiles,
-      "latent_steps_per_byte": latent_num / gen_bytes if gen_bytes else float("nan"),
-      "committed_hist": {int(k): v for k, v in sorted(committed.items())},
-      "accepted_hist": {int(k): v for k, v in sorted(accepted.items())},
+    "task": task,
+    "mode": mode,
+    "tau": tau if mode == "threshold" else None,
+    "n": n if mode != "ntp" else 1,
+    "batch_size": batch_size,
+    "max_bytes": max_bytes,
+    "temperature": samp["temperature"],
+    "top_p": samp["top_p"],
+    "examples": len(examples),
+    "metric": metric,
+    "quality": float(scores[metric]),
+    "metrics": scores,
+    "acceptance_rate": acc_num / acc_den if acc_den else float("nan"),
+    "bytes_per_s": gen_bytes / elapsed if elapsed > 0 else float("nan"),
+    "generated_bytes": gen_bytes,
+    "steps": steps,
+    "elapsed_s": elapsed,
+    "compile_s": compile_s,
+    "compiles": compiles,
+    "latent_steps_per_byte": latent_num / gen_bytes if gen_bytes else float("nan"),
+    "committed_hist": {int(k): v for k, v in sorted(committed.items())},
+    "accepted_hist": {int(k): v for k, v in sorted(accepted.items())},
   }
   if keep_outputs:
     out["outputs"] = texts
@@ -222,9 +271,13 @@ def run_task(model, task: str, examples: Sequence[Example], mode: str = "ntp", t
 
 def summary_line(r: Dict[str, Any]) -> str:
   acc = r["acceptance_rate"]
-  acc_s = "n/a" if acc is None or (isinstance(acc, float) and math.isnan(acc)) else f"{100 * acc:.1f}%"
+  acc_s = (
+    "n/a" if acc is None or (isinstance(acc, float) and math.isnan(acc)) else f"{100 * acc:.1f}%"
+  )
   knobs = f" tau={r['tau']}" if r.get("tau") is not None else ""
   knobs += f" n={r['n']}" if r["mode"] != "ntp" else ""
-  return (f"{r['task']} [{r['mode']}{knobs}] {r['metric']}={r['quality']:.2f} "
-          f"acceptance={acc_s} bytes/s={r['bytes_per_s']:.1f} ({r['examples']} examples, "
-          f"{r['generated_bytes']} bytes, compile {r['compile_s']:.1f}s)")
+  return (
+    f"{r['task']} [{r['mode']}{knobs}] {r['metric']}={r['quality']:.2f} "
+    f"acceptance={acc_s} bytes/s={r['bytes_per_s']:.1f} ({r['examples']} examples, "
+    f"{r['generated_bytes']} bytes, compile {r['compile_s']:.1f}s)"
+  )

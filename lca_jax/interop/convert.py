@@ -31,6 +31,7 @@ RoPE buffer ``rotary_embd.inv_freq`` included: the import keeps the source's own
 ``OUT/upstream_extras.safetensors`` (``interop/upstream.py``), which later checkpoints of
 that work directory keep using.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,10 +40,10 @@ from typing import Any, Optional
 
 import numpy as np
 
+from lca_jax.errors import LcaError
 from lca_jax.interop import upstream
 from lca_jax.interop.errors import CheckpointError
 from lca_jax.model.config import ConfigError, ModelConfig
-from lca_jax.errors import LcaError
 
 VOCAB_MULTIPLE = 128
 
@@ -67,12 +68,14 @@ def _prepare_out(out: str, force: bool, src: Optional[str] = None, workdir: bool
       raise ConvertError(f"output path {out} exists and is not a directory")
     if os.listdir(out):
       if not force:
-        raise ConvertError(f"output directory {out} exists and is not empty "
-                           "(use --force to overwrite)")
+        raise ConvertError(
+          f"output directory {out} exists and is not empty (use --force to overwrite)"
+        )
       _check_kind(out, workdir)
       if workdir:
         from lca_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
         from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
+
         shutil.rmtree(os.path.join(out, ckpt_lib.CKPT_DIR), ignore_errors=True)
         for name in (run_config.CONFIG_FILE, upstream.EXTRAS_FILE):
           if os.path.exists(os.path.join(out, name)):
@@ -88,18 +91,29 @@ def _check_kind(out: str, workdir: bool):
   """--force never turns a work directory into an upstream one or back (lca_jax.load would
   then read the wrong one)."""
   from lca_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+
   has_torch = os.path.exists(os.path.join(out, "model.safetensors"))
   if workdir and has_torch:
-    raise ConvertError(f"{out} holds an upstream checkpoint (model.safetensors); refusing to "
-                       "write a work directory over it")
+    raise ConvertError(
+      f"{out} holds an upstream checkpoint (model.safetensors); refusing to "
+      "write a work directory over it"
+    )
   if not workdir and ckpt_lib.is_workdir(out):
-    raise ConvertError(f"{out} is an lca-train work directory; refusing to write an upstream "
-                       "checkpoint into it")
+    raise ConvertError(
+      f"{out} is an lca-train work directory; refusing to write an upstream checkpoint into it"
+    )
 
 
 # ---- JAX -> torch ---------------------------------------------------------------------------
-def export_params(params, cfg: ModelConfig, out: str, dtype: str = "float32", *,
-                  force: bool = False, extras: Optional[dict] = None) -> str:
+def export_params(
+  params,
+  cfg: ModelConfig,
+  out: str,
+  dtype: str = "float32",
+  *,
+  force: bool = False,
+  extras: Optional[dict] = None,
+) -> str:
   """Write ``params`` (float32, may be sharded over devices/hosts) of ``cfg`` in the upstream
   layout into ``out`` (``extras``: ``Model.extras``, tensors written back as they are). Returns
   the absolute output path."""
@@ -112,13 +126,15 @@ def export_params(params, cfg: ModelConfig, out: str, dtype: str = "float32", *,
   return out
 
 
-def to_torch(src, out: str, dtype: str = "float32", *, step: Optional[int] = None,
-             force: bool = False) -> str:
+def to_torch(
+  src, out: str, dtype: str = "float32", *, step: Optional[int] = None, force: bool = False
+) -> str:
   """Export ``src`` — a path ``lca_jax.load`` accepts (work directory: latest checkpoint or
   ``step``; upstream directory) or a loaded ``lca_jax.Model`` — to ``out`` (config.json +
   model.safetensors). Returns the absolute output path."""
   upstream.export_dtype(dtype)
   from lca_jax import api  # pylint: disable=g-import-not-at-top
+
   if isinstance(src, api.Model):
     model = src
   else:
@@ -131,8 +147,9 @@ def to_torch(src, out: str, dtype: str = "float32", *, step: Optional[int] = Non
       model = api.load(src, step=step)
     except (api.LoadError, CheckpointError, ConfigError, FileNotFoundError) as e:
       raise ConvertError(str(e)) from None
-  return export_params(model.params, model.cfg, out, dtype, force=force,
-                       extras=getattr(model, "extras", None))
+  return export_params(
+    model.params, model.cfg, out, dtype, force=force, extras=getattr(model, "extras", None)
+  )
 
 
 def _check_out_free(out: str, force: bool, workdir: bool = False):
@@ -141,8 +158,9 @@ def _check_out_free(out: str, force: bool, workdir: bool = False):
     raise ConvertError(f"output path {out} exists and is not a directory")
   if os.path.isdir(out) and os.listdir(out):
     if not force:
-      raise ConvertError(f"output directory {out} exists and is not empty "
-                         "(use --force to overwrite)")
+      raise ConvertError(
+        f"output directory {out} exists and is not empty (use --force to overwrite)"
+      )
     _check_kind(out, workdir)
 
 
@@ -159,8 +177,9 @@ def read_torch_dir(src: str, vocab_size: Optional[int] = None, with_extras: bool
   base = upstream.config_from_upstream(uc)
   vs = int(vocab_size) if vocab_size else padded_vocab(base.n_tokens)
   if vs < base.n_tokens:
-    raise ConvertError(f"vocab_size {vs} is smaller than the checkpoint's vocabulary "
-                       f"{base.n_tokens}")
+    raise ConvertError(
+      f"vocab_size {vs} is smaller than the checkpoint's vocabulary {base.n_tokens}"
+    )
   cfg = base.replace(vocab_size=vs)
   params = upstream.state_dict_to_params(sd, cfg, shapes=upstream.param_shapes(cfg), uc=uc)
   if with_extras:
@@ -168,14 +187,16 @@ def read_torch_dir(src: str, vocab_size: Optional[int] = None, with_extras: bool
   return cfg, params, uc
 
 
-def write_workdir(out: str, params, cfg: ModelConfig, *, meta: Optional[dict] = None,
-                  seed: int = 0) -> str:
+def write_workdir(
+  out: str, params, cfg: ModelConfig, *, meta: Optional[dict] = None, seed: int = 0
+) -> str:
   """A fresh lca-train work directory holding ``params`` of ``cfg`` as step 0, in the format of
   ``lca_jax.train.checkpoint`` (items params / step / rng / meta; no optimizer or data state):
   ``lca_jax.load`` serves it, ``train.init_from`` fine-tunes from it. ``out`` must be empty."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
   from lca_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
   from lca_jax.train import state as st  # pylint: disable=g-import-not-at-top
@@ -186,28 +207,50 @@ def write_workdir(out: str, params, cfg: ModelConfig, *, meta: Optional[dict] = 
   handlers = {name: ocp.StandardCheckpointHandler() for name in ("params", "step", "rng")}
   handlers["meta"] = ocp.JsonCheckpointHandler()
   opts = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-  with ocp.CheckpointManager(ckpt_lib.checkpoint_dir(out), options=opts,
-                             item_handlers=handlers) as mngr:
-    mngr.save(0, args=ocp.args.Composite(
+  with ocp.CheckpointManager(
+    ckpt_lib.checkpoint_dir(out), options=opts, item_handlers=handlers
+  ) as mngr:
+    mngr.save(
+      0,
+      args=ocp.args.Composite(
         params=ocp.args.StandardSave(arrays),
         step=ocp.args.StandardSave({"step": jnp.zeros((), jnp.int32)}),
         rng=ocp.args.StandardSave({"key": st.seed_key(seed)}),
-        meta=ocp.args.JsonSave(dict(meta or {}, model=cfg.to_dict(), step=0))), force=True)
+        meta=ocp.args.JsonSave(dict(meta or {}, model=cfg.to_dict(), step=0)),
+      ),
+      force=True,
+    )
     mngr.wait_until_finished()
   return out
 
 
 # Fields that must agree between a run config's model and an imported checkpoint (shapes and
 # inference semantics); the others (dtype, dropout, max_latent_ratio, ...) come from the config.
-_MODEL_FIELDS = ("kind", "n_tokens", "d_model", "d_inner", "n_heads", "n_kv_heads", "n_enc",
-                 "n_lm", "n_dec", "n_mbp", "n_mlp_mbp", "boundaries", "rope_base", "rms_eps")
+_MODEL_FIELDS = (
+  "kind",
+  "n_tokens",
+  "d_model",
+  "d_inner",
+  "n_heads",
+  "n_kv_heads",
+  "n_enc",
+  "n_lm",
+  "n_dec",
+  "n_mbp",
+  "n_mlp_mbp",
+  "boundaries",
+  "rope_base",
+  "rms_eps",
+)
 
 
 def _model_diffs(imported: ModelConfig, wanted: ModelConfig) -> list:
   fields = list(_MODEL_FIELDS)
-  props = [("mlp_hidden", imported.n_mlp_mbp > 0),
-           ("bp_hidden", imported.hierarchical and imported.boundaries == "learned"),
-           ("spacebyte_max_group", imported.hierarchical and imported.boundaries == "spacebyte")]
+  props = [
+    ("mlp_hidden", imported.n_mlp_mbp > 0),
+    ("bp_hidden", imported.hierarchical and imported.boundaries == "learned"),
+    ("spacebyte_max_group", imported.hierarchical and imported.boundaries == "spacebyte"),
+  ]
   fields += [name for name, used in props if used]
   out = []
   for f in fields:
@@ -217,17 +260,20 @@ def _model_diffs(imported: ModelConfig, wanted: ModelConfig) -> list:
   return out
 
 
-def write_resumable_workdir(out: str, params, cfg: ModelConfig, config, *,
-                            meta: Optional[dict] = None, devices=None) -> str:
+def write_resumable_workdir(
+  out: str, params, cfg: ModelConfig, config, *, meta: Optional[dict] = None, devices=None
+) -> str:
   """A work directory that ``lca-train --config <config> --workdir out`` resumes at step 0:
   the full TrainState (``params``, fresh optimizer state, rng) and the data-iterator state,
   saved by ``lca_jax.train.checkpoint.Checkpointer`` with ``config`` as the run config.
   ``devices``: the mesh's devices while writing (default all; the checkpoint restores onto
   any mesh)."""
   from lca_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import inputs  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import loop  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
+  from lca_jax.train import (
+    inputs,  # pylint: disable=g-import-not-at-top
+    loop,  # pylint: disable=g-import-not-at-top
+    run_config,  # pylint: disable=g-import-not-at-top
+  )
   from lca_jax.train import sharding as shd  # pylint: disable=g-import-not-at-top
   from lca_jax.train import state as st  # pylint: disable=g-import-not-at-top
 
@@ -241,8 +287,9 @@ def write_resumable_workdir(out: str, params, cfg: ModelConfig, config, *,
   params = _repad_vocab(params, cfg, model_cfg.vocab_size)
   bad = _shape_diffs(setup.abstract.params, params)
   if bad:
-    raise ConvertError("the config's model does not match the checkpoint's tensors: " +
-                       "; ".join(bad[:6]))
+    raise ConvertError(
+      "the config's model does not match the checkpoint's tensors: " + "; ".join(bad[:6])
+    )
   with shd.mesh_context(setup.mesh):
     state = st.state_from_params(params, setup.tx, int(config.train.seed), setup.shardings)
   pipeline = inputs.make_train_pipeline(config, setup.plan)
@@ -261,20 +308,28 @@ def write_resumable_workdir(out: str, params, cfg: ModelConfig, config, *,
 
 def _shape_diffs(want, got) -> list:
   import jax  # pylint: disable=g-import-not-at-top
-  w = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(want)}
-  g = {jax.tree_util.keystr(k): tuple(np.shape(v)) for k, v in jax.tree_util.tree_leaves_with_path(got)}
+
+  w = {
+    jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(want)
+  }
+  g = {
+    jax.tree_util.keystr(k): tuple(np.shape(v)) for k, v in jax.tree_util.tree_leaves_with_path(got)
+  }
   out = [f"{k}: missing" for k in sorted(set(w) - set(g))]
   out += [f"{k}: unexpected" for k in sorted(set(g) - set(w))]
-  return out + [f"{k}: checkpoint {g[k]}, config {w[k]}" for k in sorted(set(w) & set(g))
-                if w[k] != g[k]]
+  return out + [
+    f"{k}: checkpoint {g[k]}, config {w[k]}" for k in sorted(set(w) & set(g)) if w[k] != g[k]
+  ]
 
 
 def _repad_vocab(params, cfg: ModelConfig, vocab_size: int):
   if vocab_size == cfg.vocab_size:
     return params
   if vocab_size < cfg.n_tokens:
-    raise ConvertError(f"config model.vocab_size {vocab_size} is smaller than the checkpoint's "
-                       f"vocabulary {cfg.n_tokens}")
+    raise ConvertError(
+      f"config model.vocab_size {vocab_size} is smaller than the checkpoint's "
+      f"vocabulary {cfg.n_tokens}"
+    )
   params = dict(params)
   emb = np.asarray(params["token_embedding"]["embedding"])[: cfg.n_tokens]
   head = np.asarray(params["head"]["kernel"])[:, : cfg.n_tokens]
@@ -284,8 +339,15 @@ def _repad_vocab(params, cfg: ModelConfig, vocab_size: int):
   return params
 
 
-def from_torch(src: str, out: str, *, vocab_size: Optional[int] = None, config: Any = None,
-               force: bool = False, devices=None) -> str:
+def from_torch(
+  src: str,
+  out: str,
+  *,
+  vocab_size: Optional[int] = None,
+  config: Any = None,
+  force: bool = False,
+  devices=None,
+) -> str:
   """Import the upstream directory ``src`` (config.json + model.safetensors, float32 or bf16)
   into a new lca-train work directory ``out``. ``config``: a run config (ml_collections) to
   make ``out`` resumable by ``lca-train`` with that config (see the module docstring); its
@@ -312,4 +374,3 @@ def from_torch(src: str, out: str, *, vocab_size: Optional[int] = None, config: 
   except CheckpointError as e:
     raise ConvertError(str(e)) from None
   return out
-

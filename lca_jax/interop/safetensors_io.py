@@ -6,6 +6,7 @@ dict of numpy arrays atomically (8-byte aligned data section, as the reference w
 that is corrupt or holds a tensor that cannot be represented is a ``CheckpointError``. The
 mapping between these tensors and our parameter tree is in :mod:`lca_jax.interop.upstream`.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,12 +22,21 @@ import numpy as np
 from lca_jax.interop.errors import CheckpointError
 
 _ST_DTYPES = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
-    "U16": np.dtype(np.uint16), "U32": np.dtype(np.uint32), "U64": np.dtype(np.uint64),
-    "BOOL": np.dtype(np.bool_), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+  "F64": np.dtype(np.float64),
+  "F32": np.dtype(np.float32),
+  "F16": np.dtype(np.float16),
+  "BF16": np.dtype(ml_dtypes.bfloat16),
+  "I64": np.dtype(np.int64),
+  "I32": np.dtype(np.int32),
+  "I16": np.dtype(np.int16),
+  "I8": np.dtype(np.int8),
+  "U8": np.dtype(np.uint8),
+  "U16": np.dtype(np.uint16),
+  "U32": np.dtype(np.uint32),
+  "U64": np.dtype(np.uint64),
+  "BOOL": np.dtype(np.bool_),
+  "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+  "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 _ST_CODES = {v: k for k, v in _ST_DTYPES.items()}
 
@@ -55,14 +65,18 @@ def read_safetensors(path: str) -> Dict[str, np.ndarray]:
       shape = tuple(int(s) for s in info["shape"])
       start, end = (int(o) for o in info["data_offsets"])
     except KeyError as e:
-      raise CheckpointError(f"{path}: tensor {name}: unsupported or missing dtype/shape/offsets "
-                            f"({e})") from None
+      raise CheckpointError(
+        f"{path}: tensor {name}: unsupported or missing dtype/shape/offsets ({e})"
+      ) from None
     count = math.prod(shape)
     if end - start != count * dt.itemsize or base + end > size:
-      raise CheckpointError(f"{path}: tensor {name}: data offsets [{start}, {end}] do not fit "
-                            f"shape {shape} {info['dtype']} or the file")
-    out[name] = np.frombuffer(buf, dt, count, base + start).reshape(shape) if count else \
-        np.zeros(shape, dt)
+      raise CheckpointError(
+        f"{path}: tensor {name}: data offsets [{start}, {end}] do not fit "
+        f"shape {shape} {info['dtype']} or the file"
+      )
+    out[name] = (
+      np.frombuffer(buf, dt, count, base + start).reshape(shape) if count else np.zeros(shape, dt)
+    )
   return out
 
 
@@ -75,8 +89,11 @@ def write_safetensors(path: str, sd: Dict[str, np.ndarray]) -> None:
       raise CheckpointError(f"tensor {name}: dtype {a.dtype} cannot be written to safetensors")
     if a.dtype.byteorder == ">":
       a = a.astype(a.dtype.newbyteorder("<"))
-    header[name] = {"dtype": _ST_CODES[a.dtype], "shape": list(a.shape),
-                    "data_offsets": [offset, offset + a.nbytes]}
+    header[name] = {
+      "dtype": _ST_CODES[a.dtype],
+      "shape": list(a.shape),
+      "data_offsets": [offset, offset + a.nbytes],
+    }
     offset += a.nbytes
     arrays.append(a)
   hb = json.dumps(header, separators=(",", ":")).encode("utf-8")

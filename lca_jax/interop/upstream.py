@@ -25,6 +25,7 @@ import (``lca-convert from-torch``) stores it in ``WORKDIR/upstream_extras.safet
 export writes it back unchanged (same bits, same dtype); without one (a model trained from
 scratch, or ``train.init_from`` of an imported directory) it is computed in float32.
 """
+
 from __future__ import annotations
 
 import ast
@@ -57,8 +58,9 @@ def parse_model_config(s: str) -> Tuple[int, int, int, int]:
     enc, (lm,), dec, mbp = ast.literal_eval(s)
     return int(enc), int(lm), int(dec), int(mbp)
   except (ValueError, SyntaxError, TypeError) as e:
-    raise CheckpointError(f"config.json: cannot parse model_config {s!r} "
-                          "(expected '[enc, (lm,), dec, mbp]')") from e
+    raise CheckpointError(
+      f"config.json: cannot parse model_config {s!r} (expected '[enc, (lm,), dec, mbp]')"
+    ) from e
 
 
 def script_of(uc: dict) -> str:
@@ -75,24 +77,34 @@ def config_from_upstream(uc: dict, vocab_size: Optional[int] = None) -> ModelCon
     flat = lm == 0 and dec == 0
     btype = uc.get("boundaries_type", "none" if flat else "gumbel")
     if btype not in ("gumbel", "none", "spacebyte"):
-      raise CheckpointError(f"config.json: unknown boundaries_type {btype!r} "
-                            "(supported: gumbel, spacebyte, none)")
+      raise CheckpointError(
+        f"config.json: unknown boundaries_type {btype!r} (supported: gumbel, spacebyte, none)"
+      )
     if flat and (btype != "none" or mbp):
-      raise CheckpointError(f"config.json: a flat model_config {uc['model_config']!r} needs "
-                            f"boundaries_type 'none' and no MBP stage (got {btype!r})")
+      raise CheckpointError(
+        f"config.json: a flat model_config {uc['model_config']!r} needs "
+        f"boundaries_type 'none' and no MBP stage (got {btype!r})"
+      )
     if not flat and btype == "none":
-      raise CheckpointError(f"config.json: hierarchical model_config {uc['model_config']!r} "
-                            "with boundaries_type 'none' is not a supported variant")
+      raise CheckpointError(
+        f"config.json: hierarchical model_config {uc['model_config']!r} "
+        "with boundaries_type 'none' is not a supported variant"
+      )
     if mbp and not uc.get("use_group_attn", True):
-      raise CheckpointError("config.json: an MBP stage without use_group_attn is not an LCA-MBP "
-                            "model; this variant is not supported")
+      raise CheckpointError(
+        "config.json: an MBP stage without use_group_attn is not an LCA-MBP "
+        "model; this variant is not supported"
+      )
     act = uc.get("activation_function", "gelu")
     if not flat and btype == "gumbel" and act != "gelu":
-      raise CheckpointError(f"config.json: activation_function {act!r} is not supported "
-                            "(the boundary predictor uses exact gelu)")
+      raise CheckpointError(
+        f"config.json: activation_function {act!r} is not supported "
+        "(the boundary predictor uses exact gelu)"
+      )
     if float(uc.get("lm_attn_scaling", 1.0)) != 1.0:
-      raise CheckpointError(f"config.json: lm_attn_scaling {uc['lm_attn_scaling']} is not "
-                            "supported (only 1.0)")
+      raise CheckpointError(
+        f"config.json: lm_attn_scaling {uc['lm_attn_scaling']} is not supported (only 1.0)"
+      )
     scripts = uc.get("all_script_ids_dict") or {DEFAULT_SCRIPT: [0.333, 0.023]}
     prior, std = scripts[script_of(uc)]
     n_mlp = int(uc.get("mlp_mbp_heads", 0))
@@ -101,20 +113,32 @@ def config_from_upstream(uc: dict, vocab_size: Optional[int] = None) -> ModelCon
     bp_inner = int(uc.get("bp_inter_dim", inter))
     n_tokens = int(uc["lm_vocab_size"])
     return ModelConfig(
-        kind="flat" if flat else "hierarchical",
-        n_tokens=n_tokens, vocab_size=int(vocab_size or n_tokens),
-        d_model=int(uc["lm_hidden_dim"]), d_inner=inter,
-        n_heads=int(uc["lm_n_heads"]), n_kv_heads=int(uc["lm_n_kv_heads"]),
-        n_enc=enc, n_lm=lm, n_dec=dec, n_mbp=mbp, n_mlp_mbp=n_mlp,
-        mlp_mbp_inner=0 if mlp_inner == inter else mlp_inner,
-        bp_d_inner=0 if bp_inner == inter else bp_inner,
-        boundaries="spacebyte" if btype == "spacebyte" else "learned",
-        spacebyte_max_group=int(uc.get("spacebyte_max_group", 16)),
-        bp_temp=float(uc.get("temp", 0.5)), bp_prior=float(prior), bp_prior_std=float(std),
-        bp_lower_k=float(uc.get("s_lower_bound", 3)), rope_base=float(uc["lm_re_base"]),
-        rms_eps=float(uc["lm_rms_eps"]), dropout=float(uc.get("lm_dropout", 0.0)),
-        max_latent_ratio=1.0,
-        max_seq_len=int(uc.get("seq_len", uc.get("lm_max_position_embeddings", 4096))))
+      kind="flat" if flat else "hierarchical",
+      n_tokens=n_tokens,
+      vocab_size=int(vocab_size or n_tokens),
+      d_model=int(uc["lm_hidden_dim"]),
+      d_inner=inter,
+      n_heads=int(uc["lm_n_heads"]),
+      n_kv_heads=int(uc["lm_n_kv_heads"]),
+      n_enc=enc,
+      n_lm=lm,
+      n_dec=dec,
+      n_mbp=mbp,
+      n_mlp_mbp=n_mlp,
+      mlp_mbp_inner=0 if mlp_inner == inter else mlp_inner,
+      bp_d_inner=0 if bp_inner == inter else bp_inner,
+      boundaries="spacebyte" if btype == "spacebyte" else "learned",
+      spacebyte_max_group=int(uc.get("spacebyte_max_group", 16)),
+      bp_temp=float(uc.get("temp", 0.5)),
+      bp_prior=float(prior),
+      bp_prior_std=float(std),
+      bp_lower_k=float(uc.get("s_lower_bound", 3)),
+      rope_base=float(uc["lm_re_base"]),
+      rms_eps=float(uc["lm_rms_eps"]),
+      dropout=float(uc.get("lm_dropout", 0.0)),
+      max_latent_ratio=1.0,
+      max_seq_len=int(uc.get("seq_len", uc.get("lm_max_position_embeddings", 4096))),
+    )
   except KeyError as e:
     raise CheckpointError(f"config.json: missing key {e.args[0]!r}") from None
   except (ConfigError, TypeError) as e:
@@ -139,17 +163,33 @@ def config_to_upstream(cfg: ModelConfig) -> dict:
     mc, btype = f"[{cfg.n_enc}, (0,), 0, 0]", "none"
   prior = [cfg.bp_prior, cfg.bp_prior_std]
   out = {
-      "lm_vocab_size": cfg.n_tokens, "n_token": cfg.n_tokens, "lm_hidden_dim": cfg.d_model,
-      "lm_inter_dim": cfg.d_inner, "lm_n_heads": cfg.n_heads, "lm_n_kv_heads": cfg.n_kv_heads,
-      "lm_dropout": cfg.dropout, "dropout": cfg.dropout, "lm_rms_eps": cfg.rms_eps,
-      "lm_re_base": cfg.rope_base, "lm_max_position_embeddings": cfg.max_seq_len,
-      "lm_attn_scaling": 1.0, "lm_tie_weights": False,
-      "id_to_script": {"259": DEFAULT_SCRIPT, "260": "<eot>"},
-      "all_script_ids_dict": {DEFAULT_SCRIPT: prior, "<eot>": list(prior)},
-      "model_config": mc, "boundaries_type": btype, "num_predictors": 1,
-      "activation_function": "gelu", "temp": cfg.bp_temp, "use_binomial": False,
-      "s_lower_bound": _num(cfg.bp_lower_k), "spikes_left": 2, "use_group_attn": cfg.n_mbp > 0,
-      "attn_type": "prev_group_self", "ignore_index": -100, "seq_len": cfg.max_seq_len,
+    "lm_vocab_size": cfg.n_tokens,
+    "n_token": cfg.n_tokens,
+    "lm_hidden_dim": cfg.d_model,
+    "lm_inter_dim": cfg.d_inner,
+    "lm_n_heads": cfg.n_heads,
+    "lm_n_kv_heads": cfg.n_kv_heads,
+    "lm_dropout": cfg.dropout,
+    "dropout": cfg.dropout,
+    "lm_rms_eps": cfg.rms_eps,
+    "lm_re_base": cfg.rope_base,
+    "lm_max_position_embeddings": cfg.max_seq_len,
+    "lm_attn_scaling": 1.0,
+    "lm_tie_weights": False,
+    "id_to_script": {"259": DEFAULT_SCRIPT, "260": "<eot>"},
+    "all_script_ids_dict": {DEFAULT_SCRIPT: prior, "<eot>": list(prior)},
+    "model_config": mc,
+    "boundaries_type": btype,
+    "num_predictors": 1,
+    "activation_function": "gelu",
+    "temp": cfg.bp_temp,
+    "use_binomial": False,
+    "s_lower_bound": _num(cfg.bp_lower_k),
+    "spikes_left": 2,
+    "use_group_attn": cfg.n_mbp > 0,
+    "attn_type": "prev_group_self",
+    "ignore_index": -100,
+    "seq_len": cfg.max_seq_len,
   }
   if cfg.n_mlp_mbp:
     out["mlp_mbp_heads"] = cfg.n_mlp_mbp
@@ -173,13 +213,18 @@ def _stage_layers(cfg: ModelConfig):
 
 def name_map(cfg: ModelConfig, script: str = DEFAULT_SCRIPT):
   """[(torch key, our param path, transpose?)] for every tensor of ``cfg``."""
-  rows = [("token_embedding.weight", ("token_embedding", "embedding"), False),
-          ("head.weight", ("head", "kernel"), True), ("norm.weight", ("norm", "scale"), False)]
+  rows = [
+    ("token_embedding.weight", ("token_embedding", "embedding"), False),
+    ("head.weight", ("head", "kernel"), True),
+    ("norm.weight", ("norm", "scale"), False),
+  ]
   for stage, idx, n in _stage_layers(cfg):
     for i in range(n):
       pre, path = f"blocks.{idx}.{i}", (stage, f"layer_{i}")
-      rows += [(f"{pre}.norm1.weight", path + ("norm1", "scale"), False),
-               (f"{pre}.norm2.weight", path + ("norm2", "scale"), False)]
+      rows += [
+        (f"{pre}.norm1.weight", path + ("norm1", "scale"), False),
+        (f"{pre}.norm2.weight", path + ("norm2", "scale"), False),
+      ]
       rows += [(f"{pre}.attn.{p}.weight", path + ("attn", p, "kernel"), True) for p in ATTN]
       rows += [(f"{pre}.mlp.{p}.weight", path + ("mlp", p, "kernel"), True) for p in MLP]
   if cfg.hierarchical:
@@ -187,13 +232,17 @@ def name_map(cfg: ModelConfig, script: str = DEFAULT_SCRIPT):
     if cfg.boundaries == "learned":
       bp = f"script_to_bp_layers.{script}.boundary_predictor"
       for tk, ours in (("0", "fc1"), ("2", "fc2")):
-        rows += [(f"{bp}.{tk}.weight", ("boundary_predictor", ours, "kernel"), True),
-                 (f"{bp}.{tk}.bias", ("boundary_predictor", ours, "bias"), False)]
+        rows += [
+          (f"{bp}.{tk}.weight", ("boundary_predictor", ours, "kernel"), True),
+          (f"{bp}.{tk}.bias", ("boundary_predictor", ours, "bias"), False),
+        ]
     for i in range(cfg.n_mlp_mbp):
       path = (f"mlp_mbp_{i}",)
-      rows += [(f"mlp_mbp.{i}.norm.weight", path + ("norm", "scale"), False),
-               (f"mlp_mbp.{i}.fc1.weight", path + ("fc1", "kernel"), True),
-               (f"mlp_mbp.{i}.fc2.weight", path + ("fc2", "kernel"), True)]
+      rows += [
+        (f"mlp_mbp.{i}.norm.weight", path + ("norm", "scale"), False),
+        (f"mlp_mbp.{i}.fc1.weight", path + ("fc1", "kernel"), True),
+        (f"mlp_mbp.{i}.fc2.weight", path + ("fc2", "kernel"), True),
+      ]
   return rows
 
 
@@ -252,7 +301,9 @@ def param_shapes(cfg: ModelConfig):
 def _param_shapes(cfg: ModelConfig):
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
+
   from lca_jax.model.hierarchical import init_params  # pylint: disable=g-import-not-at-top
+
   abstract = jax.eval_shape(lambda: nn.unbox(init_params(cfg, jax.random.PRNGKey(0), seq_len=8)))
   return jax.tree_util.tree_map(lambda x: tuple(x.shape), abstract)
 
@@ -262,12 +313,16 @@ def _ignorable(key: str, uc: Optional[dict]) -> bool:
   scripts (upstream decides boundaries with the first script's predictor)."""
   if key == INV_FREQ:
     return True
-  return key.startswith("script_to_bp_layers.") and uc is not None and not key.startswith(
-      f"script_to_bp_layers.{script_of(uc)}.")
+  return (
+    key.startswith("script_to_bp_layers.")
+    and uc is not None
+    and not key.startswith(f"script_to_bp_layers.{script_of(uc)}.")
+  )
 
 
-def state_dict_to_params(sd: Dict[str, np.ndarray], cfg: ModelConfig, shapes=None,
-                         uc: Optional[dict] = None) -> dict:
+def state_dict_to_params(
+  sd: Dict[str, np.ndarray], cfg: ModelConfig, shapes=None, uc: Optional[dict] = None
+) -> dict:
   """Our float32 params from an upstream state dict.
 
   ``shapes``: our expected param shapes (e.g. ``param_shapes(cfg)``); the embedding and head
@@ -275,8 +330,12 @@ def state_dict_to_params(sd: Dict[str, np.ndarray], cfg: ModelConfig, shapes=Non
   boundary predictor, tied weights); with it, tensors the model does not use are an error.
   """
   script = script_of(uc) if uc is not None else DEFAULT_SCRIPT
-  if uc is not None and uc.get("lm_tie_weights") and "head.weight" not in sd \
-      and "token_embedding.weight" in sd:
+  if (
+    uc is not None
+    and uc.get("lm_tie_weights")
+    and "head.weight" not in sd
+    and "token_embedding.weight" in sd
+  ):
     sd = dict(sd, **{"head.weight": sd["token_embedding.weight"]})
   params: dict = {}
   missing = []
@@ -296,8 +355,10 @@ def state_dict_to_params(sd: Dict[str, np.ndarray], cfg: ModelConfig, shapes=Non
       if key in ("token_embedding.weight", "head.weight"):
         torch_want = (cfg.n_tokens,) + torch_want[1:]
       if tuple(arr.shape) != tuple(torch_want):
-        raise CheckpointError(f"tensor {key}: shape {tuple(arr.shape)} in the checkpoint, "
-                              f"but the config needs {tuple(torch_want)}")
+        raise CheckpointError(
+          f"tensor {key}: shape {tuple(arr.shape)} in the checkpoint, "
+          f"but the config needs {tuple(torch_want)}"
+        )
     if key == "null_group":
       arr = arr.reshape(-1)
     if transpose:
@@ -309,33 +370,42 @@ def state_dict_to_params(sd: Dict[str, np.ndarray], cfg: ModelConfig, shapes=Non
         arr = np.pad(arr, ((0, 0), (0, want[1] - arr.shape[1])))
     _set(params, path, np.ascontiguousarray(arr))
   if missing:
-    raise CheckpointError(f"model.safetensors lacks {len(missing)} tensor(s) the config needs: "
-                          f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    raise CheckpointError(
+      f"model.safetensors lacks {len(missing)} tensor(s) the config needs: "
+      f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+    )
   if uc is not None:
     known = {k for k, _, _ in rows}
     extra = sorted(k for k in sd if k not in known and not _ignorable(k, uc))
     if extra:
-      raise CheckpointError(f"model.safetensors holds {len(extra)} tensor(s) the config does not "
-                            f"use: {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''} "
-                            "(config.json and weights disagree about the variant)")
+      raise CheckpointError(
+        f"model.safetensors holds {len(extra)} tensor(s) the config does not "
+        f"use: {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''} "
+        "(config.json and weights disagree about the variant)"
+      )
     if INV_FREQ in sd and not _inv_freq_matches(sd[INV_FREQ], cfg):
-      raise CheckpointError(f"tensor {INV_FREQ}: shape {tuple(np.shape(sd[INV_FREQ]))} / values "
-                            f"do not match lm_re_base {cfg.rope_base} and head dim "
-                            f"{cfg.head_dim} (expected shape {inv_freq(cfg).shape})")
+      raise CheckpointError(
+        f"tensor {INV_FREQ}: shape {tuple(np.shape(sd[INV_FREQ]))} / values "
+        f"do not match lm_re_base {cfg.rope_base} and head dim "
+        f"{cfg.head_dim} (expected shape {inv_freq(cfg).shape})"
+      )
   return params
 
 
 def to_host(x) -> np.ndarray:
   """A numpy copy of a (possibly sharded, possibly multi-host) jax array or numpy array."""
   import jax  # pylint: disable=g-import-not-at-top
+
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(jax.device_get(x))
 
 
-def params_to_state_dict(params, cfg: ModelConfig, dtype="float32",
-                         extras: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, np.ndarray]:
+def params_to_state_dict(
+  params, cfg: ModelConfig, dtype="float32", extras: Optional[Dict[str, np.ndarray]] = None
+) -> Dict[str, np.ndarray]:
   """Upstream state dict (rows 0..n_tokens-1 of the embedding and head) from our params, which
   may be sharded jax arrays. ``dtype``: 'float32' or 'bfloat16' (ml_dtypes; rotary buffer stays
   float32, as upstream registers it). ``extras`` (``Model.extras``): the source's own
@@ -353,8 +423,9 @@ def params_to_state_dict(params, cfg: ModelConfig, dtype="float32",
       shapes = param_shapes(cfg)
     want = tuple(_get(shapes, path))
     if tuple(arr.shape) != want:
-      raise CheckpointError(f"param {'/'.join(path)}: shape {tuple(arr.shape)}, but the config "
-                            f"needs {want}")
+      raise CheckpointError(
+        f"param {'/'.join(path)}: shape {tuple(arr.shape)}, but the config needs {want}"
+      )
     if transpose:
       arr = arr.T
     if key in ("token_embedding.weight", "head.weight"):
@@ -384,8 +455,10 @@ def read_dir(path: str):
     raise CheckpointError(f"{path}: no such directory")
   for p in (cfg_path, st_path):
     if not os.path.isfile(p):
-      raise CheckpointError(f"{path}: missing {os.path.basename(p)} (expected the upstream layout: "
-                            "config.json + model.safetensors)")
+      raise CheckpointError(
+        f"{path}: missing {os.path.basename(p)} (expected the upstream layout: "
+        "config.json + model.safetensors)"
+      )
   try:
     with open(cfg_path, encoding="utf-8") as f:
       uc = json.load(f)
@@ -403,8 +476,13 @@ def load_dir(path: str, vocab_size: Optional[int] = None):
   return cfg, state_dict_to_params(sd, cfg, shapes=param_shapes(cfg), uc=uc)
 
 
-def write_dir(path: str, params, cfg: ModelConfig, dtype="float32",
-              extras: Optional[Dict[str, np.ndarray]] = None):
+def write_dir(
+  path: str,
+  params,
+  cfg: ModelConfig,
+  dtype="float32",
+  extras: Optional[Dict[str, np.ndarray]] = None,
+):
   """Write ``config.json`` + ``model.safetensors`` for ``params`` of ``cfg`` into ``path``
   (``extras``: see ``params_to_state_dict``)."""
   sd = params_to_state_dict(params, cfg, dtype, extras)

@@ -42,6 +42,7 @@ def _round_up(n: int, multiple: int) -> int:
 # Per-block visiting bounds (computed in XLA, outside the kernels).
 # ----------------------------------------------------------------------------
 
+
 def query_block_key_bounds(k_start_BT: jax.Array, block_q: int, block_k: int):
   """Key-block range ``[kb_lo, kb_hi)`` visited by each query block.
 
@@ -100,6 +101,7 @@ def key_block_query_bounds(k_start_BT: jax.Array, block_q: int, block_k: int):
 # custom_vjp over the padded problem.
 # ----------------------------------------------------------------------------
 
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _lca_flash(cfg: KernelConfig, q_BTHD, k_BTKD, v_BTKD, k_start_BT, bounds):
   """Pallas LCA attention on padded inputs; ``bounds`` = (kb_lo, kb_hi, qb_lo, qb_hi)."""
@@ -110,8 +112,7 @@ def _lca_flash(cfg: KernelConfig, q_BTHD, k_BTKD, v_BTKD, k_start_BT, bounds):
 
 def _lca_flash_fwd(cfg, q_BTHD, k_BTKD, v_BTKD, k_start_BT, bounds):
   kb_lo_BN, kb_hi_BN, _, _ = bounds
-  o_BTHD, lse2_BHT = lca_forward(
-      q_BTHD, k_BTKD, v_BTKD, k_start_BT, kb_lo_BN, kb_hi_BN, cfg)
+  o_BTHD, lse2_BHT = lca_forward(q_BTHD, k_BTKD, v_BTKD, k_start_BT, kb_lo_BN, kb_hi_BN, cfg)
   residuals = (q_BTHD, k_BTKD, v_BTKD, k_start_BT, bounds, o_BTHD, lse2_BHT)
   return o_BTHD, residuals
 
@@ -120,8 +121,7 @@ def _lca_flash_bwd(cfg, residuals, do_BTHD):
   q_BTHD, k_BTKD, v_BTKD, k_start_BT, bounds, o_BTHD, lse2_BHT = residuals
   kb_lo_BN, kb_hi_BN, qb_lo_BN, qb_hi_BN = bounds
   do_BTHD = do_BTHD.astype(q_BTHD.dtype)
-  delta_BHT = jnp.einsum("bthd,bthd->bht", o_BTHD.astype(jnp.float32),
-                         do_BTHD.astype(jnp.float32))
+  delta_BHT = jnp.einsum("bthd,bthd->bht", o_BTHD.astype(jnp.float32), do_BTHD.astype(jnp.float32))
   common = (q_BTHD, k_BTKD, v_BTKD, do_BTHD, lse2_BHT, delta_BHT, k_start_BT)
   dq_BTHD = lca_backward_dq(*common, kb_lo_BN, kb_hi_BN, cfg)
   dk_BTKD, dv_BTKD = lca_backward_dkdv(*common, qb_lo_BN, qb_hi_BN, cfg)
@@ -145,11 +145,23 @@ def _pick_block(requested: int, seq_len: int) -> int:
   return max(_MIN_BLOCK, min(requested, _next_pow2(seq_len)))
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "block_q", "block_k", "scale", "interpret", "num_warps", "num_stages"))
-def _lca_attention_pallas(q_BTHD, k_BTKD, v_BTKD, segment_ids, doc_ids, *,
-                          block_q: int, block_k: int, scale: float, interpret: bool,
-                          num_warps: int | None, num_stages: int):
+@functools.partial(
+  jax.jit, static_argnames=("block_q", "block_k", "scale", "interpret", "num_warps", "num_stages")
+)
+def _lca_attention_pallas(
+  q_BTHD,
+  k_BTKD,
+  v_BTKD,
+  segment_ids,
+  doc_ids,
+  *,
+  block_q: int,
+  block_k: int,
+  scale: float,
+  interpret: bool,
+  num_warps: int | None,
+  num_stages: int,
+):
   """Pads, computes bounds, runs ``_lca_flash`` and unpads."""
   B, T, H, D = q_BTHD.shape
   bq, bk = _pick_block(block_q, T), _pick_block(block_k, T)
@@ -160,8 +172,10 @@ def _lca_attention_pallas(q_BTHD, k_BTKD, v_BTKD, segment_ids, doc_ids, *,
   doc_BT = _pad_axis(doc_BT, 1, T_pad, 0)
   seg_BT = _pad_axis(segment_ids.astype(jnp.int32), 1, T_pad, 0)
   k_start_BT = lca_key_start(seg_BT, doc_BT)
-  bounds = (*query_block_key_bounds(k_start_BT, bq, bk),
-            *key_block_query_bounds(k_start_BT, bq, bk))
+  bounds = (
+    *query_block_key_bounds(k_start_BT, bq, bk),
+    *key_block_query_bounds(k_start_BT, bq, bk),
+  )
 
   pad = lambda x: _pad_axis(_pad_axis(x, 1, T_pad), 3, D_pad)
   if num_warps is None:
@@ -169,9 +183,15 @@ def _lca_attention_pallas(q_BTHD, k_BTKD, v_BTKD, segment_ids, doc_ids, *,
     num_warps_bwd = 4 if bq * bk <= 64 * 64 else 8
   else:
     num_warps_fwd = num_warps_bwd = num_warps
-  cfg = KernelConfig(block_q=bq, block_k=bk, scale=scale, interpret=interpret,
-                     num_warps_fwd=num_warps_fwd, num_warps_bwd=num_warps_bwd,
-                     num_stages=num_stages)
+  cfg = KernelConfig(
+    block_q=bq,
+    block_k=bk,
+    scale=scale,
+    interpret=interpret,
+    num_warps_fwd=num_warps_fwd,
+    num_warps_bwd=num_warps_bwd,
+    num_stages=num_stages,
+  )
   o_BTHD = _lca_flash(cfg, pad(q_BTHD), pad(k_BTKD), pad(v_BTKD), k_start_BT, bounds)
   return o_BTHD[:, :T, :, :D]
 
@@ -189,20 +209,20 @@ def _check_shapes(q, k, v, segment_ids, doc_ids):
 
 
 def lca_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array,
-    *,
-    doc_ids: jax.Array | None = None,
-    impl: str = "xla",
-    interpret: bool = False,
-    block_q: int = 64,
-    block_k: int = 64,
-    scale: float | None = None,
-    num_warps: int | None = None,
-    num_stages: int = 2,
-    shard: bool = True,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array,
+  *,
+  doc_ids: jax.Array | None = None,
+  impl: str = "xla",
+  interpret: bool = False,
+  block_q: int = 64,
+  block_k: int = 64,
+  scale: float | None = None,
+  num_warps: int | None = None,
+  num_stages: int = 2,
+  shard: bool = True,
 ) -> jax.Array:
   """LCA-masked multi-head attention (see ``reference`` for the mask).
 
@@ -231,8 +251,14 @@ def lca_attention(
     return lca_attention_reference(q, k, v, segment_ids, doc_ids, scale=scale)
   if impl == "pallas":
     kernel = functools.partial(
-        _lca_attention_pallas, block_q=block_q, block_k=block_k, scale=scale,
-        interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+      _lca_attention_pallas,
+      block_q=block_q,
+      block_k=block_k,
+      scale=scale,
+      interpret=interpret,
+      num_warps=num_warps,
+      num_stages=num_stages,
+    )
     if not shard:
       return kernel(q, k, v, segment_ids, doc_ids)
     return shard_over_mesh(kernel, q, k, v, segment_ids, doc_ids)

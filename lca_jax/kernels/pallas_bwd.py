@@ -33,10 +33,22 @@ def interval_mask_t(k_pos_K: jax.Array, k_start_Q: jax.Array, q_pos_Q: jax.Array
   return (k_pos_K[:, None] >= k_start_Q[None, :]) & (k_pos_K[:, None] <= q_pos_Q[None, :])
 
 
-def _dq_kernel(kb_lo_ref, kb_hi_ref, k_start_ref, q_ref, k_ref, v_ref, do_ref,
-               lse2_ref, delta_ref,  # inputs
-               dq_ref,  # output
-               *, block_k: int, scale_log2: float, scale: float):
+def _dq_kernel(
+  kb_lo_ref,
+  kb_hi_ref,
+  k_start_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  do_ref,
+  lse2_ref,
+  delta_ref,  # inputs
+  dq_ref,  # output
+  *,
+  block_k: int,
+  scale_log2: float,
+  scale: float,
+):
   """One query block: ``dq_ref`` [bq, D]; k/v refs hold the whole [T, D]."""
   block_q, head_dim = q_ref.shape
   q_pos_Q = pl.program_id(0) * block_q + jnp.arange(block_q, dtype=jnp.int32)
@@ -59,15 +71,30 @@ def _dq_kernel(kb_lo_ref, kb_hi_ref, k_start_ref, q_ref, k_ref, v_ref, do_ref,
     ds_QK = p_QK * (dp_QK - delta_Q[:, None])
     return dq_QD + plgpu.dot(ds_QK.astype(k_KD.dtype), k_KD)
 
-  dq_QD = lax.fori_loop(kb_lo_ref[...], kb_hi_ref[...], visit_key_block,
-                        jnp.zeros((block_q, head_dim), jnp.float32))
+  dq_QD = lax.fori_loop(
+    kb_lo_ref[...], kb_hi_ref[...], visit_key_block, jnp.zeros((block_q, head_dim), jnp.float32)
+  )
   dq_ref[...] = (dq_QD * scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(qb_lo_ref, qb_hi_ref, k_start_ref, q_ref, k_ref, v_ref, do_ref,
-                 lse2_ref, delta_ref,  # inputs
-                 dk_ref, dv_ref,  # outputs
-                 *, block_q: int, group: int, scale_log2: float, scale: float):
+def _dkdv_kernel(
+  qb_lo_ref,
+  qb_hi_ref,
+  k_start_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  do_ref,
+  lse2_ref,
+  delta_ref,  # inputs
+  dk_ref,
+  dv_ref,  # outputs
+  *,
+  block_q: int,
+  group: int,
+  scale_log2: float,
+  scale: float,
+):
   """One key block of one kv head: ``dk_ref``/``dv_ref`` [bk, D].
 
   ``q_ref``/``do_ref`` hold [T, G, D] (the G query heads of this kv head),
@@ -109,39 +136,63 @@ def _dkdv_kernel(qb_lo_ref, qb_hi_ref, k_start_ref, q_ref, k_ref, v_ref, do_ref,
   dv_ref[...] = dv_KD.astype(dv_ref.dtype)
 
 
-def lca_backward_dq(q_BTHD, k_BTKD, v_BTKD, do_BTHD, lse2_BHT, delta_BHT,
-                    k_start_BT, kb_lo_BN, kb_hi_BN, cfg: KernelConfig):
+def lca_backward_dq(
+  q_BTHD,
+  k_BTKD,
+  v_BTKD,
+  do_BTHD,
+  lse2_BHT,
+  delta_BHT,
+  k_start_BT,
+  kb_lo_BN,
+  kb_hi_BN,
+  cfg: KernelConfig,
+):
   """dq [B, T, H, D] (q dtype) on padded inputs; bounds as in ``lca_forward``."""
   B, T, H, D = q_BTHD.shape
   G = H // k_BTKD.shape[2]
   bq = cfg.block_q
-  kernel = functools.partial(_dq_kernel, block_k=cfg.block_k,
-                             scale_log2=cfg.scale_log2, scale=cfg.scale)
+  kernel = functools.partial(
+    _dq_kernel, block_k=cfg.block_k, scale_log2=cfg.scale_log2, scale=cfg.scale
+  )
   per_block = lambda i, b, h: (b, i)
   q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
   kv_full = pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0))
   row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
   return pl.pallas_call(
-      kernel,
-      grid=(T // bq, B, H),
-      in_specs=[
-          pl.BlockSpec((None, None), per_block),  # kb_lo
-          pl.BlockSpec((None, None), per_block),  # kb_hi
-          pl.BlockSpec((None, bq), per_block),  # k_start
-          q_block, kv_full, kv_full, q_block,  # q, k, v, do
-          row_block, row_block,  # lse2, delta
-      ],
-      out_specs=q_block,
-      out_shape=jax.ShapeDtypeStruct(q_BTHD.shape, q_BTHD.dtype),
-      compiler_params=plgpu.CompilerParams(
-          num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages),
-      interpret=cfg.interpret,
-      name="lca_attention_bwd_dq",
+    kernel,
+    grid=(T // bq, B, H),
+    in_specs=[
+      pl.BlockSpec((None, None), per_block),  # kb_lo
+      pl.BlockSpec((None, None), per_block),  # kb_hi
+      pl.BlockSpec((None, bq), per_block),  # k_start
+      q_block,
+      kv_full,
+      kv_full,
+      q_block,  # q, k, v, do
+      row_block,
+      row_block,  # lse2, delta
+    ],
+    out_specs=q_block,
+    out_shape=jax.ShapeDtypeStruct(q_BTHD.shape, q_BTHD.dtype),
+    compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages),
+    interpret=cfg.interpret,
+    name="lca_attention_bwd_dq",
   )(kb_lo_BN, kb_hi_BN, k_start_BT, q_BTHD, k_BTKD, v_BTKD, do_BTHD, lse2_BHT, delta_BHT)
 
 
-def lca_backward_dkdv(q_BTHD, k_BTKD, v_BTKD, do_BTHD, lse2_BHT, delta_BHT,
-                      k_start_BT, qb_lo_BN, qb_hi_BN, cfg: KernelConfig):
+def lca_backward_dkdv(
+  q_BTHD,
+  k_BTKD,
+  v_BTKD,
+  do_BTHD,
+  lse2_BHT,
+  delta_BHT,
+  k_start_BT,
+  qb_lo_BN,
+  qb_hi_BN,
+  cfg: KernelConfig,
+):
   """(dk, dv), each [B, T, K, D] in k/v dtype, on padded inputs.
 
   Args:
@@ -152,27 +203,33 @@ def lca_backward_dkdv(q_BTHD, k_BTKD, v_BTKD, do_BTHD, lse2_BHT, delta_BHT,
   K = k_BTKD.shape[2]
   G = H // K
   bk = cfg.block_k
-  kernel = functools.partial(_dkdv_kernel, block_q=cfg.block_q, group=G,
-                             scale_log2=cfg.scale_log2, scale=cfg.scale)
+  kernel = functools.partial(
+    _dkdv_kernel, block_q=cfg.block_q, group=G, scale_log2=cfg.scale_log2, scale=cfg.scale
+  )
   per_block = lambda j, b, h: (b, j)
   kv_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0))
   q_group = pl.BlockSpec((None, T, G, D), lambda j, b, h: (b, 0, h, 0))
   rows_group = pl.BlockSpec((None, G, T), lambda j, b, h: (b, h, 0))
   return pl.pallas_call(
-      kernel,
-      grid=(T // bk, B, K),
-      in_specs=[
-          pl.BlockSpec((None, None), per_block),  # qb_lo
-          pl.BlockSpec((None, None), per_block),  # qb_hi
-          pl.BlockSpec((None, T), lambda j, b, h: (b, 0)),  # k_start (all queries)
-          q_group, kv_block, kv_block, q_group,  # q, k, v, do
-          rows_group, rows_group,  # lse2, delta
-      ],
-      out_specs=[kv_block, kv_block],
-      out_shape=[jax.ShapeDtypeStruct(k_BTKD.shape, k_BTKD.dtype),
-                 jax.ShapeDtypeStruct(v_BTKD.shape, v_BTKD.dtype)],
-      compiler_params=plgpu.CompilerParams(
-          num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages),
-      interpret=cfg.interpret,
-      name="lca_attention_bwd_dkdv",
+    kernel,
+    grid=(T // bk, B, K),
+    in_specs=[
+      pl.BlockSpec((None, None), per_block),  # qb_lo
+      pl.BlockSpec((None, None), per_block),  # qb_hi
+      pl.BlockSpec((None, T), lambda j, b, h: (b, 0)),  # k_start (all queries)
+      q_group,
+      kv_block,
+      kv_block,
+      q_group,  # q, k, v, do
+      rows_group,
+      rows_group,  # lse2, delta
+    ],
+    out_specs=[kv_block, kv_block],
+    out_shape=[
+      jax.ShapeDtypeStruct(k_BTKD.shape, k_BTKD.dtype),
+      jax.ShapeDtypeStruct(v_BTKD.shape, v_BTKD.dtype),
+    ],
+    compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages),
+    interpret=cfg.interpret,
+    name="lca_attention_bwd_dkdv",
   )(qb_lo_BN, qb_hi_BN, k_start_BT, q_BTHD, k_BTKD, v_BTKD, do_BTHD, lse2_BHT, delta_BHT)

@@ -55,9 +55,19 @@ def interval_mask(q_pos_Q: jax.Array, k_start_Q: jax.Array, k_pos_K: jax.Array) 
   return (k_pos_K[None, :] >= k_start_Q[:, None]) & (k_pos_K[None, :] <= q_pos_Q[:, None])
 
 
-def _fwd_kernel(kb_lo_ref, kb_hi_ref, k_start_ref, q_ref, k_ref, v_ref,  # inputs
-                o_ref, lse2_ref,  # outputs
-                *, block_k: int, scale_log2: float):
+def _fwd_kernel(
+  kb_lo_ref,
+  kb_hi_ref,
+  k_start_ref,
+  q_ref,
+  k_ref,
+  v_ref,  # inputs
+  o_ref,
+  lse2_ref,  # outputs
+  *,
+  block_k: int,
+  scale_log2: float,
+):
   """One query block: ``o_ref`` [bq, D], ``lse2_ref`` [bq]; k/v refs hold [T, D]."""
   block_q, head_dim = q_ref.shape
   q_pos_Q = pl.program_id(0) * block_q + jnp.arange(block_q, dtype=jnp.int32)
@@ -80,9 +90,11 @@ def _fwd_kernel(kb_lo_ref, kb_hi_ref, k_start_ref, q_ref, k_ref, v_ref,  # input
     acc_QD = acc_QD * alpha_Q[:, None] + plgpu.dot(p_QK.astype(v_KD.dtype), v_KD)
     return acc_QD, m_next_Q, l_next_Q
 
-  init = (jnp.zeros((block_q, head_dim), jnp.float32),
-          jnp.full((block_q,), _M_INIT, jnp.float32),
-          jnp.zeros((block_q,), jnp.float32))
+  init = (
+    jnp.zeros((block_q, head_dim), jnp.float32),
+    jnp.full((block_q,), _M_INIT, jnp.float32),
+    jnp.zeros((block_q,), jnp.float32),
+  )
   acc_QD, m_Q, l_Q = lax.fori_loop(kb_lo_ref[...], kb_hi_ref[...], visit_key_block, init)
 
   l_safe_Q = jnp.where(l_Q == 0.0, 1.0, l_Q)
@@ -109,26 +121,25 @@ def lca_forward(q_BTHD, k_BTKD, v_BTKD, k_start_BT, kb_lo_BN, kb_hi_BN, cfg: Ker
   kernel = functools.partial(_fwd_kernel, block_k=cfg.block_k, scale_log2=cfg.scale_log2)
   per_block = lambda i, b, h: (b, i)
   return pl.pallas_call(
-      kernel,
-      grid=(T // bq, B, H),
-      in_specs=[
-          pl.BlockSpec((None, None), per_block),  # kb_lo
-          pl.BlockSpec((None, None), per_block),  # kb_hi
-          pl.BlockSpec((None, bq), per_block),  # k_start
-          pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),  # q
-          pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),  # k
-          pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),  # v
-      ],
-      out_specs=[
-          pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),  # o
-          pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),  # lse2
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct(q_BTHD.shape, q_BTHD.dtype),
-          jax.ShapeDtypeStruct((B, H, T), jnp.float32),
-      ],
-      compiler_params=plgpu.CompilerParams(
-          num_warps=cfg.num_warps_fwd, num_stages=cfg.num_stages),
-      interpret=cfg.interpret,
-      name="lca_attention_fwd",
+    kernel,
+    grid=(T // bq, B, H),
+    in_specs=[
+      pl.BlockSpec((None, None), per_block),  # kb_lo
+      pl.BlockSpec((None, None), per_block),  # kb_hi
+      pl.BlockSpec((None, bq), per_block),  # k_start
+      pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),  # q
+      pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),  # k
+      pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),  # v
+    ],
+    out_specs=[
+      pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),  # o
+      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),  # lse2
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct(q_BTHD.shape, q_BTHD.dtype),
+      jax.ShapeDtypeStruct((B, H, T), jnp.float32),
+    ],
+    compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps_fwd, num_stages=cfg.num_stages),
+    interpret=cfg.interpret,
+    name="lca_attention_fwd",
   )(kb_lo_BN, kb_hi_BN, k_start_BT, q_BTHD, k_BTKD, v_BTKD)

@@ -80,9 +80,12 @@ def lca_key_start(segment_ids: jax.Array, doc_ids: jax.Array | None = None) -> j
   pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
   continues_BT = jnp.concatenate(
-      [jnp.zeros((B, 1), bool),
-       (seg_BT[:, 1:] == seg_BT[:, :-1]) & (doc_BT[:, 1:] == doc_BT[:, :-1])],
-      axis=1)
+    [
+      jnp.zeros((B, 1), bool),
+      (seg_BT[:, 1:] == seg_BT[:, :-1]) & (doc_BT[:, 1:] == doc_BT[:, :-1]),
+    ],
+    axis=1,
+  )
   group_start_BT = lax.cummax(jnp.where(continues_BT, 0, pos_BT), axis=1)
 
   prev_BT = group_start_BT - 1  # last position of the preceding group
@@ -94,12 +97,12 @@ def lca_key_start(segment_ids: jax.Array, doc_ids: jax.Array | None = None) -> j
 
 
 def lca_attention_reference(
-    q_BTHD: jax.Array,
-    k_BTKD: jax.Array,
-    v_BTKD: jax.Array,
-    segment_ids: jax.Array,
-    doc_ids: jax.Array | None = None,
-    scale: float | None = None,
+  q_BTHD: jax.Array,
+  k_BTKD: jax.Array,
+  v_BTKD: jax.Array,
+  segment_ids: jax.Array,
+  doc_ids: jax.Array | None = None,
+  scale: float | None = None,
 ) -> jax.Array:
   """Dense-masked LCA attention in XLA (the oracle and the CPU path).
 
@@ -123,19 +126,19 @@ def lca_attention_reference(
   scale = 1.0 / math.sqrt(D) if scale is None else scale
 
   q_BTKGD = q_BTHD.reshape(B, T, K, G, D)
-  logits_BKGTS = jnp.einsum(
-      "btkgd,bskd->bkgts", q_BTKGD, k_BTKD, preferred_element_type=jnp.float32) * scale
+  logits_BKGTS = (
+    jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BTKD, preferred_element_type=jnp.float32) * scale
+  )
   mask_B11TS = lca_mask(segment_ids, doc_ids)[:, None, None]
   logits_BKGTS = jnp.where(mask_B11TS, logits_BKGTS, -jnp.inf)
 
   row_max_BKGT1 = jnp.max(logits_BKGTS, axis=-1, keepdims=True)
-  row_max_BKGT1 = lax.stop_gradient(
-      jnp.where(jnp.isfinite(row_max_BKGT1), row_max_BKGT1, 0.0))
+  row_max_BKGT1 = lax.stop_gradient(jnp.where(jnp.isfinite(row_max_BKGT1), row_max_BKGT1, 0.0))
   probs_BKGTS = jnp.exp(logits_BKGTS - row_max_BKGT1)  # exp(-inf) = 0 when masked
   denom_BKGT1 = jnp.sum(probs_BKGTS, axis=-1, keepdims=True)
   probs_BKGTS = probs_BKGTS / jnp.where(denom_BKGT1 == 0, 1.0, denom_BKGT1)
 
   out_BTKGD = jnp.einsum(
-      "bkgts,bskd->btkgd", probs_BKGTS, v_BTKD.astype(jnp.float32),
-      preferred_element_type=jnp.float32)
+    "bkgts,bskd->btkgd", probs_BKGTS, v_BTKD.astype(jnp.float32), preferred_element_type=jnp.float32
+  )
   return out_BTKGD.reshape(B, T, H, D).astype(q_BTHD.dtype)

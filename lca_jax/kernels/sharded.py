@@ -54,9 +54,14 @@ def _dividing_axes(size: int, axes: Sequence[str], mesh) -> tuple[str, ...]:
   return tuple(keep)
 
 
-def kernel_partition(mesh, batch: int, n_heads: int, n_kv_heads: int,
-                     batch_axes: Sequence[str] = BATCH_AXES,
-                     head_axes: Sequence[str] = HEAD_AXES):
+def kernel_partition(
+  mesh,
+  batch: int,
+  n_heads: int,
+  n_kv_heads: int,
+  batch_axes: Sequence[str] = BATCH_AXES,
+  head_axes: Sequence[str] = HEAD_AXES,
+):
   """(batch mesh axes, head mesh axes) for q [B, T, H, D] and k, v [B, T, KV, D]."""
   b_axes = _dividing_axes(batch, batch_axes, mesh)
   h_axes = _dividing_axes(n_heads, head_axes, mesh)
@@ -69,15 +74,22 @@ def _entry(axes: tuple[str, ...]):
   return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def shard_over_mesh(kernel: Callable, q, k, v, segment_ids, doc_ids: Optional[jax.Array], *,
-                    batch_axes: Sequence[str] = BATCH_AXES,
-                    head_axes: Sequence[str] = HEAD_AXES):
+def shard_over_mesh(
+  kernel: Callable,
+  q,
+  k,
+  v,
+  segment_ids,
+  doc_ids: Optional[jax.Array],
+  *,
+  batch_axes: Sequence[str] = BATCH_AXES,
+  head_axes: Sequence[str] = HEAD_AXES,
+):
   """``kernel(q, k, v, segment_ids, doc_ids)``, run per device under the active mesh."""
   mesh = active_mesh()
   if mesh is None:
     return kernel(q, k, v, segment_ids, doc_ids)
-  b_axes, h_axes = kernel_partition(mesh, q.shape[0], q.shape[2], k.shape[2],
-                                    batch_axes, head_axes)
+  b_axes, h_axes = kernel_partition(mesh, q.shape[0], q.shape[2], k.shape[2], batch_axes, head_axes)
   if not b_axes and not h_axes:
     return kernel(q, k, v, segment_ids, doc_ids)
   qkv = P(_entry(b_axes), None, _entry(h_axes), None)
@@ -93,8 +105,7 @@ def shard_over_mesh(kernel: Callable, q, k, v, segment_ids, doc_ids: Optional[ja
     args = tuple(jax.sharding.reshard(x, spec) for x, spec in zip(args, in_specs))
   # check_vma=False: pallas_call's outputs carry no varying-axes type; the legacy semantics
   # (axes a spec leaves out are replicated, their cotangents summed) keep gradients exact.
-  out = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=qkv,
-                      check_vma=False)(*args)
+  out = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=qkv, check_vma=False)(*args)
   if mesh.explicit_axes:  # hand the output back laid out like q
     out = jax.sharding.reshard(out, q_spec)
   return out

@@ -20,6 +20,7 @@ loop nest gives dq per query block and accumulates dk/dv into the visited key ra
 Shapes: B batch, T length, H query heads, K kv heads (GQA: query head h uses kv head
 h // (H // K)), G = H // K, E head dim; Q = block_q, S = block_k, N = number of query blocks.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,12 +36,16 @@ NEG_INF = -1e30
 
 def _pad_lo(lo_BT, length):
   """Key starts padded to ``length`` queries; padded queries have no key (lo = int32 max)."""
-  return jnp.pad(lo_BT.astype(jnp.int32), ((0, 0), (0, length - lo_BT.shape[1])),
-                 constant_values=jnp.iinfo(jnp.int32).max)
+  return jnp.pad(
+    lo_BT.astype(jnp.int32),
+    ((0, 0), (0, length - lo_BT.shape[1])),
+    constant_values=jnp.iinfo(jnp.int32).max,
+  )
 
 
 class Schedule(NamedTuple):
   """Per query block: first key of its first tile and the number of tiles it visits."""
+
   start_N: jax.Array  # int32 [N]
   n_tiles_N: jax.Array  # int32 [N]
 
@@ -66,6 +71,7 @@ def tiles_visited(lo_BT: jax.Array, block_q: int, block_k: int) -> jax.Array:
 class _Blocks(NamedTuple):
   """Inputs laid out head-major for the loops: queries by block, keys padded by one tile so no
   tile is clamped at the end."""
+
   q_NBKGQE: jax.Array
   lo_NBQ: jax.Array
   k_BKSE: jax.Array
@@ -92,8 +98,13 @@ def _layout(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k) -> _Blocks:
   n = -(-t // block_q)
   lo = _pad_lo(lo_BT, n * block_q)
   kpad = lambda x: jnp.pad(x, ((0, 0), (0, block_k), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-  return _Blocks(_to_blocks(q_BTHE, kv, block_q), lo.reshape(b, n, block_q).transpose(1, 0, 2),
-                 kpad(k_BTKE), kpad(v_BTKE), schedule(lo_BT, block_q, block_k))
+  return _Blocks(
+    _to_blocks(q_BTHE, kv, block_q),
+    lo.reshape(b, n, block_q).transpose(1, 0, 2),
+    kpad(k_BTKE),
+    kpad(v_BTKE),
+    schedule(lo_BT, block_q, block_k),
+  )
 
 
 def _tile(blocks: _Blocks, n, tile, q_BKGQE, lo_BQ, block_q, block_k, scale):
@@ -104,8 +115,9 @@ def _tile(blocks: _Blocks, n, tile, q_BKGQE, lo_BQ, block_q, block_k, scale):
   v_t = lax.dynamic_slice_in_dim(blocks.v_BKSE, s0, block_k, axis=2)
   kpos_S = s0 + jnp.arange(block_k, dtype=jnp.int32)
   qpos_Q = n * block_q + jnp.arange(block_q, dtype=jnp.int32)
-  mask_BQS = (kpos_S[None, None, :] >= lo_BQ[:, :, None]) & (kpos_S[None, None, :]
-                                                             <= qpos_Q[None, :, None])
+  mask_BQS = (kpos_S[None, None, :] >= lo_BQ[:, :, None]) & (
+    kpos_S[None, None, :] <= qpos_Q[None, :, None]
+  )
   s = jnp.einsum("bkgqe,bkse->bkgqs", q_BKGQE, k_t, preferred_element_type=jnp.float32)
   return s * scale, mask_BQS[:, None, None], k_t, v_t, s0
 
@@ -125,13 +137,17 @@ def _forward(blocks: _Blocks, t, block_q, block_k, scale):
       p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
       alpha = jnp.exp(m - m_new)
       l = alpha * l + jnp.sum(p, axis=-1)
-      pv = jnp.einsum("bkgqs,bkse->bkgqe", p.astype(v_t.dtype), v_t,
-                      preferred_element_type=jnp.float32)
+      pv = jnp.einsum(
+        "bkgqs,bkse->bkgqe", p.astype(v_t.dtype), v_t, preferred_element_type=jnp.float32
+      )
       return m_new, l, alpha[..., None] * acc + pv
 
     shape = q_n.shape[:-1]
-    init = (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (e,), jnp.float32))
+    init = (
+      jnp.full(shape, NEG_INF, jnp.float32),
+      jnp.zeros(shape, jnp.float32),
+      jnp.zeros(shape + (e,), jnp.float32),
+    )
     m, l, acc = lax.fori_loop(0, blocks.sched.n_tiles_N[n], body, init)
     empty = l == 0.0
     out = acc / jnp.where(empty, 1.0, l)[..., None]
@@ -159,14 +175,16 @@ def _backward(blocks: _Blocks, out_BTHE, lse, do_BTHE, block_q, block_k, scale):
       dq, dk, dv = c
       s, mask, k_t, v_t, s0 = _tile(blocks, n, tile, q_n, lo_n, block_q, block_k, scale)
       p = jnp.where(mask, jnp.exp(s - lse_n[..., None]), 0.0)
-      dv_t = jnp.einsum("bkgqs,bkgqe->bkse", p.astype(do_n.dtype), do_n,
-                        preferred_element_type=jnp.float32)
+      dv_t = jnp.einsum(
+        "bkgqs,bkgqe->bkse", p.astype(do_n.dtype), do_n, preferred_element_type=jnp.float32
+      )
       dp = jnp.einsum("bkgqe,bkse->bkgqs", do_n, v_t, preferred_element_type=jnp.float32)
       ds = (p * (dp - delta_n[..., None]) * scale).astype(q_n.dtype)
       dq = dq + jnp.einsum("bkgqs,bkse->bkgqe", ds, k_t, preferred_element_type=jnp.float32)
       dk_t = jnp.einsum("bkgqs,bkgqe->bkse", ds, q_n, preferred_element_type=jnp.float32)
       add = lambda acc, x: lax.dynamic_update_slice_in_dim(
-          acc, lax.dynamic_slice_in_dim(acc, s0, block_k, axis=2) + x, s0, axis=2)
+        acc, lax.dynamic_slice_in_dim(acc, s0, block_k, axis=2) + x, s0, axis=2
+      )
       return dq, add(dk, dk_t), add(dv, dv_t)
 
     dk, dv = carry
@@ -211,8 +229,17 @@ def _split_axis(b: int, kv: int, parallel: int):
   return None, 1
 
 
-def blockwise_attention(q_BTHE, k_BTKE, v_BTKE, lo_BT, *, block_q: int = 64,
-                        block_k: int = 64, scale: float | None = None, parallel: int = 1):
+def blockwise_attention(
+  q_BTHE,
+  k_BTKE,
+  v_BTKE,
+  lo_BT,
+  *,
+  block_q: int = 64,
+  block_k: int = 64,
+  scale: float | None = None,
+  parallel: int = 1,
+):
   """Self-attention where query i sees keys [lo_i, i]; rows with no key give zeros.
 
   q [B,T,H,E], k/v [B,T,K,E], lo int [B,T]. Scores and softmax in float32; the
@@ -234,6 +261,8 @@ def blockwise_attention(q_BTHE, k_BTKE, v_BTKE, lo_BT, *, block_q: int = 64,
     return _attention(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k, scale)
   cut = lambda x: jnp.split(x, parts, axis=axis)
   los = cut(lo_BT) if axis == 0 else [lo_BT] * parts
-  outs = [_attention(q, k, v, lo, block_q, block_k, scale)
-          for q, k, v, lo in zip(cut(q_BTHE), cut(k_BTKE), cut(v_BTKE), los)]
+  outs = [
+    _attention(q, k, v, lo, block_q, block_k, scale)
+    for q, k, v, lo in zip(cut(q_BTHE), cut(k_BTKE), cut(v_BTKE), los)
+  ]
   return jnp.concatenate(outs, axis=axis)

@@ -2,6 +2,7 @@
 
 Convention (docs/design.md §2.4): b_t = 1 means byte t CLOSES its group.
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -13,6 +14,7 @@ from lca_jax.model.layers import Dense
 
 class BoundaryPredictor(nn.Module):
   """logit_t = W2 gelu(W1 h_t + c1) + c2 with exact (erf) gelu."""
+
   d_inner: int
 
   @nn.compact
@@ -41,8 +43,11 @@ def _space_like(ids_BT):
   """Not an ASCII letter/digit and not a UTF-8 continuation byte; specials count as space-like."""
   byte = ids_BT - 3
   is_byte = (ids_BT >= 3) & (ids_BT < 259)
-  alnum = (((byte >= ord("a")) & (byte <= ord("z"))) | ((byte >= ord("A")) & (byte <= ord("Z")))
-           | ((byte >= ord("0")) & (byte <= ord("9"))))
+  alnum = (
+    ((byte >= ord("a")) & (byte <= ord("z")))
+    | ((byte >= ord("A")) & (byte <= ord("Z")))
+    | ((byte >= ord("0")) & (byte <= ord("9")))
+  )
   continuation = (byte >= 0x80) & (byte < 0xC0)
   return ~(is_byte & (alnum | continuation))
 

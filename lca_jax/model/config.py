@@ -6,6 +6,7 @@ The variant is chosen by fields, never by a different class:
     optional multi-byte heads: ``n_mbp > 0`` LCA-MBP layers, or ``n_mlp_mbp > 0`` Medusa-style
     residual MLP heads. ``boundaries="learned"`` (FxT, LCA-MBP, MLP-MBP) or ``"spacebyte"``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +28,9 @@ class ConfigError(LcaError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   kind: str = "hierarchical"
-  n_tokens: int = 261  # ByT5 ids 0..260 (lca_jax.vocab); real vocabulary (logits are returned for these ids)
+  n_tokens: int = (
+    261  # ByT5 ids 0..260 (lca_jax.vocab); real vocabulary (logits are returned for these ids)
+  )
   vocab_size: int = 384  # embedding rows (n_tokens padded for speed)
   d_model: int = 64
   d_inner: int = 128
@@ -67,13 +70,27 @@ class ModelConfig:
     def check(ok, msg):
       if not ok:
         raise ConfigError(f"model config: {msg}")
+
     check(self.kind in KINDS, f"kind must be one of {KINDS}, got {self.kind!r}")
-    check(self.boundaries in BOUNDARIES, f"boundaries must be one of {BOUNDARIES}, got {self.boundaries!r}")
-    check(self.attention_impl in ATTENTION_IMPLS, f"attention_impl must be one of {ATTENTION_IMPLS}")
+    check(
+      self.boundaries in BOUNDARIES,
+      f"boundaries must be one of {BOUNDARIES}, got {self.boundaries!r}",
+    )
+    check(
+      self.attention_impl in ATTENTION_IMPLS, f"attention_impl must be one of {ATTENTION_IMPLS}"
+    )
     check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
-    check(self.d_model % self.n_heads == 0, f"d_model {self.d_model} not divisible by n_heads {self.n_heads}")
-    check(self.n_heads % self.n_kv_heads == 0, f"n_heads {self.n_heads} not divisible by n_kv_heads {self.n_kv_heads}")
-    check(self.vocab_size >= self.n_tokens, f"vocab_size {self.vocab_size} < n_tokens {self.n_tokens}")
+    check(
+      self.d_model % self.n_heads == 0,
+      f"d_model {self.d_model} not divisible by n_heads {self.n_heads}",
+    )
+    check(
+      self.n_heads % self.n_kv_heads == 0,
+      f"n_heads {self.n_heads} not divisible by n_kv_heads {self.n_kv_heads}",
+    )
+    check(
+      self.vocab_size >= self.n_tokens, f"vocab_size {self.vocab_size} < n_tokens {self.n_tokens}"
+    )
     check(self.n_enc >= 1, "n_enc must be >= 1")
     check(0.0 <= self.max_latent_ratio <= 1.0, "max_latent_ratio must be in [0, 1] (0 = auto)")
     for name in ("attn_block_q", "attn_block_k", "lca_block_q"):
@@ -81,8 +98,13 @@ class ModelConfig:
     check(self.lca_lookback >= 0, "lca_lookback must be >= 0")
     check(self.attn_parallel >= 0, "attn_parallel must be >= 0 (0 = auto)")
     if self.kind == "hierarchical":
-      check(self.n_lm >= 1 and self.n_dec >= 1, "a hierarchical model needs n_lm >= 1 and n_dec >= 1")
-      check(not (self.n_mbp and self.n_mlp_mbp), "choose either an LCA-MBP head (n_mbp) or MLP heads (n_mlp_mbp)")
+      check(
+        self.n_lm >= 1 and self.n_dec >= 1, "a hierarchical model needs n_lm >= 1 and n_dec >= 1"
+      )
+      check(
+        not (self.n_mbp and self.n_mlp_mbp),
+        "choose either an LCA-MBP head (n_mbp) or MLP heads (n_mlp_mbp)",
+      )
     else:
       check(self.n_mbp == 0 and self.n_mlp_mbp == 0, "a flat model has no multi-byte head")
 
@@ -143,7 +165,9 @@ class ModelConfig:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names)
     if unknown:
-      raise ConfigError(f"unknown model config key(s): {', '.join(unknown)}; known keys: {', '.join(sorted(names))}")
+      raise ConfigError(
+        f"unknown model config key(s): {', '.join(unknown)}; known keys: {', '.join(sorted(names))}"
+      )
     return cls(**dict(d))
 
   def to_dict(self) -> dict:

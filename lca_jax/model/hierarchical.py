@@ -6,11 +6,11 @@ positions (restarting per document for ``segmented`` packing). The stages are ex
 methods (``encode``, ``decide``, ``latent``, ``next_byte``, ``lca_head``, ``logits``) so the
 decode engine can run them with KV caches; ``__call__`` is the full forward used in training.
 """
+
 from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
 
 import flax.linen as nn
 import jax
@@ -25,6 +25,7 @@ from lca_jax.model.layers import RMSNorm, Stack, dense
 
 class MLPHead(nn.Module):
   """Medusa-style residual head: h + fc2(silu(fc1(norm(h))))."""
+
   d_inner: int
   eps: float
   dtype: jnp.dtype
@@ -38,9 +39,11 @@ class MLPHead(nn.Module):
 
 def _pallas_kernel(group_BT, doc_BT):
   from lca_jax.kernels import lca_attention  # pylint: disable=g-import-not-at-top
+
   interpret = jax.default_backend() == "cpu"
-  return functools.partial(lca_attention, segment_ids=group_BT, doc_ids=doc_BT, impl="pallas",
-                           interpret=interpret)
+  return functools.partial(
+    lca_attention, segment_ids=group_BT, doc_ids=doc_BT, impl="pallas", interpret=interpret
+  )
 
 
 class ByteLM(nn.Module):
@@ -49,26 +52,41 @@ class ByteLM(nn.Module):
   def setup(self):
     c = self.cfg
     dt = jnp.dtype(c.dtype)
-    stack = functools.partial(Stack, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, d_inner=c.d_inner,
-                              rope_base=c.rope_base, eps=c.rms_eps, dtype=dt, dropout=c.dropout,
-                              remat=c.remat)
-    self.token_embedding = nn.Embed(c.vocab_size, c.d_model, dtype=dt, embedding_init=
-                                    nn.with_logical_partitioning(nn.initializers.normal(0.02),
-                                                                 ("vocab", "embed")))
+    stack = functools.partial(
+      Stack,
+      n_heads=c.n_heads,
+      n_kv_heads=c.n_kv_heads,
+      d_inner=c.d_inner,
+      rope_base=c.rope_base,
+      eps=c.rms_eps,
+      dtype=dt,
+      dropout=c.dropout,
+      remat=c.remat,
+    )
+    self.token_embedding = nn.Embed(
+      c.vocab_size,
+      c.d_model,
+      dtype=dt,
+      embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
+    )
     self.encoder = stack(c.n_enc)
     self.norm = RMSNorm(c.rms_eps)
     self.head = dense(c.vocab_size, "head", ("embed", "vocab"), dt)
     if c.hierarchical:
       if c.boundaries == "learned":
         self.boundary_predictor = bnd.BoundaryPredictor(c.bp_hidden)
-      self.null_group = self.param("null_group", nn.with_logical_partitioning(
-          nn.initializers.normal(1.0), ("embed",)), (c.d_model,))
+      self.null_group = self.param(
+        "null_group",
+        nn.with_logical_partitioning(nn.initializers.normal(1.0), ("embed",)),
+        (c.d_model,),
+      )
       self.lm = stack(c.n_lm)
       self.decoder = stack(c.n_dec)
       if c.n_mbp:
         self.mbp = stack(c.n_mbp)
-      self.mlp_heads = [MLPHead(c.mlp_hidden, c.rms_eps, dt, name=f"mlp_mbp_{i}")
-                        for i in range(c.n_mlp_mbp)]
+      self.mlp_heads = [
+        MLPHead(c.mlp_hidden, c.rms_eps, dt, name=f"mlp_mbp_{i}") for i in range(c.n_mlp_mbp)
+      ]
 
   # ---- stages -------------------------------------------------------------------------------
   def _attend(self, group_BT, doc_BT, kind):
@@ -88,16 +106,18 @@ class ByteLM(nn.Module):
       lo = masks.causal_key_start(doc_BT)
       bq, bk = c.attn_block_q, c.attn_block_k
     parallel = c.attn_parallel or (os.cpu_count() or 1 if jax.default_backend() == "cpu" else 1)
-    return None, functools.partial(blockwise_attention, lo_BT=lo, block_q=bq, block_k=bk,
-                                   parallel=parallel)
+    return None, functools.partial(
+      blockwise_attention, lo_BT=lo, block_q=bq, block_k=bk, parallel=parallel
+    )
 
   def embed(self, ids_BT):
     return self.token_embedding(ids_BT)
 
   def encode(self, ids_BT, doc_BT, pos_BT, deterministic=True):
     mask, kernel = self._attend(None, doc_BT, "causal")
-    h, _ = self.encoder(self.embed(ids_BT), pos_BT, mask, kernel=kernel,
-                        deterministic=deterministic)
+    h, _ = self.encoder(
+      self.embed(ids_BT), pos_BT, mask, kernel=kernel, deterministic=deterministic
+    )
     return h
 
   def boundary_logits(self, h_BTD):
@@ -138,8 +158,9 @@ class ByteLM(nn.Module):
   def stack_step(self, which: str, x_BTD, pos_BT, mask_BTS, caches, write_B, window_B=None):
     """Run stack ``which`` ('encoder', 'lm', 'decoder', 'mbp') over a KV cache (decoding),
     optionally attending only a window of it (see ``Attention``)."""
-    return getattr(self, which)(x_BTD, pos_BT, mask_BTS, caches=caches, write_B=write_B,
-                                window_B=window_B)
+    return getattr(self, which)(
+      x_BTD, pos_BT, mask_BTS, caches=caches, write_B=write_B, window_B=window_B
+    )
 
   def mlp_head(self, i, h_BTD):
     return self.mlp_heads[i](h_BTD)
@@ -175,9 +196,15 @@ class ByteLM(nn.Module):
       out["mbp_logits"] = self.logits(self.lca_head(m, plan.group_BT, doc_BT, pos_BT, det))
     if c.n_mlp_mbp:
       out["mlp_mbp_logits"] = jnp.stack(
-          [self.logits(self.mlp_head(i, h_nt)) for i in range(c.n_mlp_mbp)], axis=1)
-    out.update(boundaries=b_hard, boundaries_st=b_st, n_closed=plan.n_closed_B,
-               overflow=plan.overflow_B, group_ids=plan.group_BT)
+        [self.logits(self.mlp_head(i, h_nt)) for i in range(c.n_mlp_mbp)], axis=1
+      )
+    out.update(
+      boundaries=b_hard,
+      boundaries_st=b_st,
+      n_closed=plan.n_closed_B,
+      overflow=plan.overflow_B,
+      group_ids=plan.group_BT,
+    )
     return out
 
 

@@ -5,6 +5,7 @@ E head dim, F inner width. Parameters are float32; compute runs in ``dtype``; no
 softmax in float32. Parameter axes carry logical names for sharding ('embed', 'heads',
 'kv', 'mlp', 'vocab'); the model knows nothing else about meshes.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -26,6 +27,7 @@ class Dense(nn.Module):
   gradient out transposed through a slow strided fusion (measured: 1.7x the whole MLP's
   forward + backward at [4, 1024, 256] x [256, 1024]); one contracting axis needs no copy.
   """
+
   features: int
   axes: tuple
   dtype: Dtype = jnp.float32
@@ -33,9 +35,11 @@ class Dense(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    kernel = self.param("kernel", nn.with_logical_partitioning(nn.initializers.normal(0.02),
-                                                               self.axes),
-                        (x.shape[-1], self.features))
+    kernel = self.param(
+      "kernel",
+      nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes),
+      (x.shape[-1], self.features),
+    )
     y = jnp.dot(x.reshape(-1, x.shape[-1]).astype(self.dtype), kernel.astype(self.dtype))
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,)).astype(self.dtype)
@@ -51,8 +55,9 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-                       (x.shape[-1],))
+    scale = self.param(
+      "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],)
+    )
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     return (y * scale).astype(x.dtype)
@@ -86,16 +91,19 @@ def masked_attention(q_BTHE, k, v, mask_BTS, *, head_major: bool = False):
   m = mask_BTS[:, None, None, :, :]
   scores = jnp.where(m, scores, NEG_INF)
   probs = jnp.where(m, jax.nn.softmax(scores, axis=-1), 0.0)
-  out = jnp.einsum(f"bkgts,{kv_spec}->btkge", probs.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
+  out = jnp.einsum(
+    f"bkgts,{kv_spec}->btkge", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+  )
   return out.reshape(b, t, h, e).astype(q_BTHE.dtype)
 
 
 def write_rows(cache_BS, new_BT, start_B, axis: int = 0):
   """Write ``new`` into ``cache`` at a per-row start index along ``axis`` of each row (ragged
   batches)."""
+
   def one(c, n, s):
     return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=axis)
+
   return jax.vmap(one)(cache_BS, new_BT, start_B)
 
 
@@ -108,8 +116,18 @@ class Attention(nn.Module):
   dropout: float = 0.0
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, mask_BTS=None, *, kernel: Optional[Callable] = None,
-               cache=None, write_B=None, deterministic=True, window_B=None):
+  def __call__(
+    self,
+    x_BTD,
+    positions_BT,
+    mask_BTS=None,
+    *,
+    kernel: Optional[Callable] = None,
+    cache=None,
+    write_B=None,
+    deterministic=True,
+    window_B=None,
+  ):
     """Self-attention, or attention over a KV cache.
 
     Without ``cache``: keys are this call's tokens; pass either ``mask_BTS`` or ``kernel``
@@ -158,6 +176,7 @@ class SwiGLU(nn.Module):
 
 class Block(nn.Module):
   """Pre-norm block: x + attn(norm1(x)); x + mlp(norm2(x))."""
+
   n_heads: int
   n_kv_heads: int
   d_inner: int
@@ -169,12 +188,36 @@ class Block(nn.Module):
   @nn.compact
   # Not keyword-only: Stack's remat path passes every argument positionally (static_argnums
   # there count self as 0: kernel is 4, deterministic 7).
-  def __call__(self, x, positions, mask=None, kernel=None, cache=None, write_B=None,
-               deterministic=True, window_B=None):
-    attn = Attention(self.n_heads, self.n_kv_heads, x.shape[-1] // self.n_heads, self.rope_base,
-                     self.dtype, self.dropout, name="attn")
-    y, kv = attn(RMSNorm(self.eps, name="norm1")(x), positions, mask, kernel=kernel, cache=cache,
-                 write_B=write_B, deterministic=deterministic, window_B=window_B)
+  def __call__(
+    self,
+    x,
+    positions,
+    mask=None,
+    kernel=None,
+    cache=None,
+    write_B=None,
+    deterministic=True,
+    window_B=None,
+  ):
+    attn = Attention(
+      self.n_heads,
+      self.n_kv_heads,
+      x.shape[-1] // self.n_heads,
+      self.rope_base,
+      self.dtype,
+      self.dropout,
+      name="attn",
+    )
+    y, kv = attn(
+      RMSNorm(self.eps, name="norm1")(x),
+      positions,
+      mask,
+      kernel=kernel,
+      cache=cache,
+      write_B=write_B,
+      deterministic=deterministic,
+      window_B=window_B,
+    )
     x = x + y
     y = SwiGLU(self.d_inner, self.dtype, name="mlp")(RMSNorm(self.eps, name="norm2")(x))
     y = nn.Dropout(self.dropout)(y, deterministic=deterministic)
@@ -184,6 +227,7 @@ class Block(nn.Module):
 
 class Stack(nn.Module):
   """``n_layers`` blocks. ``caches`` is a list of per-layer (k, v) or None."""
+
   n_layers: int
   n_heads: int
   n_kv_heads: int
@@ -195,18 +239,44 @@ class Stack(nn.Module):
   remat: bool = False
 
   @nn.compact
-  def __call__(self, x, positions, mask=None, *, kernel=None, caches=None, write_B=None,
-               deterministic=True, window_B=None):
+  def __call__(
+    self,
+    x,
+    positions,
+    mask=None,
+    *,
+    kernel=None,
+    caches=None,
+    write_B=None,
+    deterministic=True,
+    window_B=None,
+  ):
     block_cls = nn.remat(Block, static_argnums=(4, 7)) if self.remat else Block
     new_caches = []
     for i in range(self.n_layers):
-      blk = block_cls(self.n_heads, self.n_kv_heads, self.d_inner, self.rope_base, self.eps,
-                      self.dtype, self.dropout, name=f"layer_{i}")
+      blk = block_cls(
+        self.n_heads,
+        self.n_kv_heads,
+        self.d_inner,
+        self.rope_base,
+        self.eps,
+        self.dtype,
+        self.dropout,
+        name=f"layer_{i}",
+      )
       cache = None if caches is None else caches[i]
       if self.remat:
         x, kv = blk(x, positions, mask, kernel, cache, write_B, deterministic, window_B)
       else:
-        x, kv = blk(x, positions, mask, kernel=kernel, cache=cache, write_B=write_B,
-                    deterministic=deterministic, window_B=window_B)
+        x, kv = blk(
+          x,
+          positions,
+          mask,
+          kernel=kernel,
+          cache=cache,
+          write_B=write_B,
+          deterministic=deterministic,
+          window_B=window_B,
+        )
       new_caches.append(kv)
     return x, new_caches

@@ -4,11 +4,9 @@ See docs/design.md §4. A target x_{t+k} is valid when it lies in the same (non-
 document as byte t, and, for SFT, when ``loss_mask`` marks it (prompt bytes carry no loss).
 CE averages over valid targets.
 """
+
 from __future__ import annotations
 
-from typing import Optional
-
-import jax
 import jax.numpy as jnp
 import optax
 
@@ -74,8 +72,11 @@ def compute_loss(cfg: ModelConfig, out: dict, batch: dict, lambdas=(1.0, 1.0, 10
       loss = loss + l2 * bp
     n_real = jnp.sum(real).astype(jnp.float32)
     n_closed = jnp.sum(out["n_closed"]).astype(jnp.float32)
-    m.update(bp_loss=bp, bytes_per_latent=n_real / jnp.maximum(n_closed, 1.0),
-             boundary_rate=n_closed / jnp.maximum(n_real, 1.0),
-             overflow=jnp.sum(out["overflow"]).astype(jnp.float32))
+    m.update(
+      bp_loss=bp,
+      bytes_per_latent=n_real / jnp.maximum(n_closed, 1.0),
+      boundary_rate=n_closed / jnp.maximum(n_real, 1.0),
+      overflow=jnp.sum(out["overflow"]).astype(jnp.float32),
+    )
   m["loss"] = loss
   return loss, m

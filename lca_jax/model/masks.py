@@ -10,6 +10,7 @@ each training mask is an interval per query: key ``j`` is allowed iff ``lo_i <= 
 key); the blockwise attention (``model/attention.py``) and the Pallas kernels consume ``lo``,
 the dense masks below are their reference (tests check both agree).
 """
+
 from __future__ import annotations
 
 import jax

@@ -12,6 +12,7 @@ overflow); a byte whose read slot is >= S reads slot S-1 instead when that slot 
 own document, else zeros. Slot S-1 then holds a group closed before the byte, so causality and
 document isolation hold; only freshness is lost.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -68,8 +69,18 @@ def plan_latents(b_hard_BT, doc_BT, n_slots: int) -> LatentPlan:
   pos_slot = _scatter(n_slots, slot, slot - null_slot, pool)
   slot_pos = jnp.where(null_BS, 0, pos_slot)
   overflow = jnp.sum(bh * (slot >= n_slots), axis=1)
-  return LatentPlan(g, slot, pool, jnp.where(read_ok, clipped, 0), read_ok, null_BS, slot_doc,
-                    slot_pos, n_closed, overflow)
+  return LatentPlan(
+    g,
+    slot,
+    pool,
+    jnp.where(read_ok, clipped, 0),
+    read_ok,
+    null_BS,
+    slot_doc,
+    slot_pos,
+    n_closed,
+    overflow,
+  )
 
 
 def downsample(h_BTD, b_BT, plan: LatentPlan, null_D):

@@ -29,6 +29,7 @@ Fault tolerance:
     orbax's restore on only some processes cannot be recovered from safely, so it is an error
     naming the step to move away.)
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,15 @@ import orbax.checkpoint as ocp
 
 from lca_jax.errors import LoadError
 from lca_jax.model.config import ModelConfig
-from lca_jax.train.manifest import (MANIFEST, CorruptCheckpointError, CorruptCheckpointWarning, _short,
-                                    check_process_count, verify_step, write_manifest)
+from lca_jax.train.manifest import (
+  MANIFEST,
+  CorruptCheckpointError,
+  CorruptCheckpointWarning,
+  _short,
+  check_process_count,
+  verify_step,
+  write_manifest,
+)
 from lca_jax.train.run_config import CONFIG_FILE, read_run_config
 
 CKPT_DIR = "checkpoints"
@@ -63,11 +71,13 @@ class _IteratorSnapshot:
 
 def _grain_handler():
   from lca_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+
   return pipeline.checkpoint_handler()
 
 
 def _grain_save(state):
   import grain  # pylint: disable=g-import-not-at-top
+
   return grain.checkpoint.CheckpointSave(_IteratorSnapshot(state))
 
 
@@ -76,6 +86,7 @@ def _grain_restore(data):
   if hasattr(data, "restore_args"):
     return data.restore_args()
   import grain  # pylint: disable=g-import-not-at-top
+
   return grain.checkpoint.CheckpointRestore(data)
 
 
@@ -95,23 +106,25 @@ def checkpoint_dir(workdir: str) -> str:
 class Checkpointer:
   """Saves and restores train states (+ data iterator state) of one work directory."""
 
-  def __init__(self, workdir: str, keep: int = 3, async_save: bool = True,
-               read_only: bool = False):
+  def __init__(self, workdir: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
     # read_only: open an existing directory for restoring (no directory is created; orbax's
     # own read_only flag is not used because it logs warnings on every open).
     # cleanup_tmp_directories: saves interrupted by a crash leave <step>.orbax-checkpoint-tmp-*
     # directories (never restored); they are removed when a run opens the directory again.
     opts = ocp.CheckpointManagerOptions(
-        max_to_keep=max(1, int(keep)) if keep else None, create=not read_only,
-        enable_async_checkpointing=async_save and not read_only,
-        cleanup_tmp_directories=not read_only)
+      max_to_keep=max(1, int(keep)) if keep else None,
+      create=not read_only,
+      enable_async_checkpointing=async_save and not read_only,
+      cleanup_tmp_directories=not read_only,
+    )
     self.workdir = os.path.abspath(workdir)
     self.directory = checkpoint_dir(workdir)
     self.read_only = read_only
     self.async_save = bool(async_save and not read_only)
     self._unsealed: list = []  # steps saved whose manifest is not written yet
-    self.manager = ocp.CheckpointManager(self.directory, options=opts,
-                                         item_handlers=_handlers(with_data=True))
+    self.manager = ocp.CheckpointManager(
+      self.directory, options=opts, item_handlers=_handlers(with_data=True)
+    )
 
   def latest_step(self) -> Optional[int]:
     return self.manager.latest_step()
@@ -121,11 +134,13 @@ class Checkpointer:
 
   def save(self, state, data_state: Any = None, meta: Optional[dict] = None) -> None:
     step = int(jax.device_get(state.step))
-    items = dict(params=ocp.args.StandardSave(state.params),
-                 opt_state=ocp.args.StandardSave(state.opt_state),
-                 step=ocp.args.StandardSave({"step": state.step}),
-                 rng=ocp.args.StandardSave({"key": state.rng}),
-                 meta=ocp.args.JsonSave(dict(meta or {}, step=step)))
+    items = dict(
+      params=ocp.args.StandardSave(state.params),
+      opt_state=ocp.args.StandardSave(state.opt_state),
+      step=ocp.args.StandardSave({"step": state.step}),
+      rng=ocp.args.StandardSave({"key": state.rng}),
+      meta=ocp.args.JsonSave(dict(meta or {}, step=step)),
+    )
     if data_state is not None:
       items["data"] = _grain_save(data_state)
     self.manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -147,15 +162,21 @@ class Checkpointer:
   def restore(self, step: int, abstract_state, data_iterator=None):
     """The TrainState at ``step``, laid out as ``abstract_state``'s shardings; restores the data
     pipeline (or grain iterator) in place when given."""
-    items = dict(params=ocp.args.StandardRestore(abstract_state.params),
-                 opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
-                 step=ocp.args.StandardRestore({"step": abstract_state.step}),
-                 rng=ocp.args.StandardRestore({"key": abstract_state.rng}))
+    items = dict(
+      params=ocp.args.StandardRestore(abstract_state.params),
+      opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
+      step=ocp.args.StandardRestore({"step": abstract_state.step}),
+      rng=ocp.args.StandardRestore({"key": abstract_state.rng}),
+    )
     if data_iterator is not None:
       items["data"] = _grain_restore(data_iterator)
     out = self.manager.restore(step, args=ocp.args.Composite(**items))
-    return abstract_state.replace(params=out["params"], opt_state=out["opt_state"],
-                                  step=out["step"]["step"], rng=out["rng"]["key"])
+    return abstract_state.replace(
+      params=out["params"],
+      opt_state=out["opt_state"],
+      step=out["step"]["step"],
+      rng=out["rng"]["key"],
+    )
 
   def wait(self):
     self.manager.wait_until_finished()
@@ -174,6 +195,7 @@ class Checkpointer:
     if jax.process_index() == 0:
       dest = set_aside(self.workdir, step)
     from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
+
     distributed.barrier(f"lca_set_aside_{step}")
     self.manager.reload()
     return dest
@@ -185,6 +207,7 @@ class Checkpointer:
     moved when no step restores (``CorruptCheckpointError`` listing why), so a systematic
     problem never empties the directory."""
     from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
+
     steps = sorted(self.all_steps(), reverse=True)
     if not steps:
       return None, None
@@ -203,21 +226,27 @@ class Checkpointer:
           reason = _short(e)
           if multi:  # other processes may be inside orbax's restore barrier: no way back
             raise CorruptCheckpointError(
-                f"checkpoint step {step} in {self.directory} cannot be restored on process "
-                f"{jax.process_index()} ({reason}). Move it out of the way (e.g. into "
-                f"{os.path.join(self.workdir, CORRUPT_DIR)}/) and rerun to resume from "
-                f"{'step ' + str(nxt) if nxt is not None else 'scratch'}.") from None
+              f"checkpoint step {step} in {self.directory} cannot be restored on process "
+              f"{jax.process_index()} ({reason}). Move it out of the way (e.g. into "
+              f"{os.path.join(self.workdir, CORRUPT_DIR)}/) and rerun to resume from "
+              f"{'step ' + str(nxt) if nxt is not None else 'scratch'}."
+            ) from None
         else:
           for s_bad, r_bad in bad:
-            warnings.warn(f"checkpoint step {s_bad} in {self.directory} is corrupt ({r_bad}); "
-                          f"falling back to step {step}", CorruptCheckpointWarning, stacklevel=2)
+            warnings.warn(
+              f"checkpoint step {s_bad} in {self.directory} is corrupt ({r_bad}); "
+              f"falling back to step {step}",
+              CorruptCheckpointWarning,
+              stacklevel=2,
+            )
             self.set_aside(s_bad)
           return state, step
       bad.append((step, reason))
     raise CorruptCheckpointError(
-        f"no readable checkpoint in {self.directory}: " +
-        "; ".join(f"step {s}: {r}" for s, r in bad) +
-        " (nothing was moved; move the damaged steps away, or use a new --workdir)")
+      f"no readable checkpoint in {self.directory}: "
+      + "; ".join(f"step {s}: {r}" for s, r in bad)
+      + " (nothing was moved; move the damaged steps away, or use a new --workdir)"
+    )
 
 
 def set_aside(workdir: str, step: int) -> Optional[str]:
@@ -245,14 +274,17 @@ def restore_params(workdir: str, abstract_params, step: Optional[int] = None):
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"{workdir}: no checkpoint yet")
   opts = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
-  with ocp.CheckpointManager(directory, options=opts,
-                             item_handlers={"params": ocp.StandardCheckpointHandler()}) as mngr:
-    restore = lambda s: mngr.restore(s, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract_params)))["params"]
+  with ocp.CheckpointManager(
+    directory, options=opts, item_handlers={"params": ocp.StandardCheckpointHandler()}
+  ) as mngr:
+    restore = lambda s: mngr.restore(
+      s, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params))
+    )["params"]
     if step is not None:
       if step not in mngr.all_steps():
-        raise FileNotFoundError(f"{workdir}: no checkpoint for step {step} "
-                                f"(have {sorted(mngr.all_steps())})")
+        raise FileNotFoundError(
+          f"{workdir}: no checkpoint for step {step} (have {sorted(mngr.all_steps())})"
+        )
       reason = verify_step(os.path.join(directory, str(step)))
       if reason is not None:
         raise CorruptCheckpointError(f"{workdir}: checkpoint step {step} is corrupt ({reason})")
@@ -272,10 +304,14 @@ def restore_params(workdir: str, abstract_params, step: Optional[int] = None):
           reason = _short(e)
       bad.append((s, reason))
       nxt = f"using step {steps[i + 1]}" if i + 1 < len(steps) else "no earlier checkpoint"
-      warnings.warn(f"checkpoint step {s} in {directory} is corrupt ({reason}); {nxt}",
-                    CorruptCheckpointWarning, stacklevel=2)
-    raise CorruptCheckpointError(f"no readable checkpoint in {directory}: " +
-                                 "; ".join(f"step {s}: {r}" for s, r in bad))
+      warnings.warn(
+        f"checkpoint step {s} in {directory} is corrupt ({reason}); {nxt}",
+        CorruptCheckpointWarning,
+        stacklevel=2,
+      )
+    raise CorruptCheckpointError(
+      f"no readable checkpoint in {directory}: " + "; ".join(f"step {s}: {r}" for s, r in bad)
+    )
 
 
 # ---- inference ----------------------------------------------------------------------------
@@ -283,7 +319,8 @@ def is_workdir(path: str) -> bool:
   """True for an lca-train work directory (its run config or a checkpoints folder exists)."""
   path = os.fspath(path)
   return os.path.isfile(os.path.join(path, CONFIG_FILE)) or os.path.isdir(
-      os.path.join(path, CKPT_DIR))
+    os.path.join(path, CKPT_DIR)
+  )
 
 
 def model_config(workdir: str) -> ModelConfig:
@@ -296,6 +333,7 @@ def model_config(workdir: str) -> ModelConfig:
 def load_for_inference(path: str, step: Optional[int] = None):
   """(ModelConfig, float32 params on one device) from a work directory's checkpoint."""
   from lca_jax.train.state import abstract_params  # pylint: disable=g-import-not-at-top
+
   try:
     cfg = model_config(path)
   except FileNotFoundError as e:

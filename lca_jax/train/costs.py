@@ -27,6 +27,7 @@ The group layout of a batch is only known inside the step (learned boundaries); 
 estimates use a regular layout: concat packing (one document per row) and groups of
 ``group_len`` bytes (default 1 / bp_prior, the rate the boundary loss trains towards).
 """
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,21 @@ from lca_jax.model.attention import tiles_visited
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import count_params
 
-_DTYPE_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
-                "u16": 2, "s8": 1, "u8": 1, "pred": 1, "s64": 8, "u64": 8}
+_DTYPE_BYTES = {
+  "f64": 8,
+  "f32": 4,
+  "s32": 4,
+  "u32": 4,
+  "bf16": 2,
+  "f16": 2,
+  "s16": 2,
+  "u16": 2,
+  "s8": 1,
+  "u8": 1,
+  "pred": 1,
+  "s64": 8,
+  "u64": 8,
+}
 _SHAPE = re.compile(r"\b(f64|f32|s32|u32|bf16|f16|s16|u16|s8|u8|pred|s64|u64)\[([0-9,]*)\]")
 
 
@@ -68,12 +82,20 @@ def attention_stacks(cfg: ModelConfig, doc_BT, plan):
   causal = masks.causal_key_start(doc_BT)
   out = [("encoder", cfg.n_enc, causal, cfg.attn_block_q, cfg.attn_block_k)]
   if cfg.hierarchical:
-    out.append(("lm", cfg.n_lm, masks.causal_key_start(plan.slot_doc_BS), cfg.attn_block_q,
-                cfg.attn_block_k))
+    out.append(
+      ("lm", cfg.n_lm, masks.causal_key_start(plan.slot_doc_BS), cfg.attn_block_q, cfg.attn_block_k)
+    )
     out.append(("decoder", cfg.n_dec, causal, cfg.attn_block_q, cfg.attn_block_k))
     if cfg.n_mbp:
-      out.append(("mbp", cfg.n_mbp, masks.lca_key_start(plan.group_BT, doc_BT), cfg.lca_block_q,
-                  cfg.lca_block_q + cfg.lca_lookback))
+      out.append(
+        (
+          "mbp",
+          cfg.n_mbp,
+          masks.lca_key_start(plan.group_BT, doc_BT),
+          cfg.lca_block_q,
+          cfg.lca_block_q + cfg.lca_lookback,
+        )
+      )
   return out
 
 
@@ -114,8 +136,10 @@ def attention_loop_correction(cfg: ModelConfig, doc_BT, plan, rows: int) -> dict
 
 # Dense layers whose activations are [tokens, width]: when a width equals T (the paper's
 # d_inner 4096 at T 4096) such an array is not an attention buffer.
-_FEATURE_SCOPE = re.compile(r"/(mlp|boundary_predictor|mlp_mbp_\d+|head|[qkv]_proj|out_proj|"
-                            r"gate_proj|up_proj|down_proj|fc1|fc2)(/|\")")
+_FEATURE_SCOPE = re.compile(
+  r"/(mlp|boundary_predictor|mlp_mbp_\d+|head|[qkv]_proj|out_proj|"
+  r"gate_proj|up_proj|down_proj|fc1|fc2)(/|\")"
+)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
@@ -136,7 +160,7 @@ def _op_names(lines):
     if instr:
       name = _OP_NAME.search(line)
       own[instr.group(1)] = name.group(1) if name else ""
-      operands[instr.group(1)] = _OPERAND.findall(line[instr.end():].split("metadata=")[0])
+      operands[instr.group(1)] = _OPERAND.findall(line[instr.end() :].split("metadata=")[0])
   for _ in range(8):  # propagate along operand chains without metadata
     for instr, name in own.items():
       if not name:
@@ -171,8 +195,11 @@ def buffers(hlo_text: str, seq_len: int) -> dict:
         largest, largest_bytes = f"{dt}[{dims}]", nbytes
       if not feature and sum(s >= seq_len for s in sizes) >= 2:
         square.setdefault(f"{dt}[{dims}]", set()).add(name or "?")
-  return {"largest_buffer": largest, "largest_buffer_bytes": largest_bytes,
-          "t_by_t_buffers": {k: sorted(v)[:3] for k, v in sorted(square.items())}}
+  return {
+    "largest_buffer": largest,
+    "largest_buffer_bytes": largest_bytes,
+    "t_by_t_buffers": {k: sorted(v)[:3] for k, v in sorted(square.items())},
+  }
 
 
 def xla_flops(compiled) -> float:

@@ -23,6 +23,7 @@ once (the service's socket closes) and terminate the same way. A process that is
 stuck (deadlock, hung filesystem) keeps sending heartbeats; the optional :class:`Watchdog`
 (``lca-train --watchdog SECONDS``) ends it (exit status 3), and the heartbeat then ends the others.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +60,10 @@ class DistConfig:
 
   def describe(self) -> str:
     ids = ",".join(map(str, self.local_device_ids)) if self.local_device_ids else "all"
-    return (f"process {self.process_id}/{self.num_processes}, coordinator {self.coordinator}, "
-            f"local devices {ids}, heartbeat timeout {self.heartbeat_timeout}s ({self.source})")
+    return (
+      f"process {self.process_id}/{self.num_processes}, coordinator {self.coordinator}, "
+      f"local devices {ids}, heartbeat timeout {self.heartbeat_timeout}s ({self.source})"
+    )
 
 
 # ---- SLURM ---------------------------------------------------------------------------------
@@ -105,8 +108,13 @@ def parse_nodelist(nodelist: str) -> list:
 def first_slurm_host(nodelist: str) -> str:
   """The first host of a SLURM node list: ``scontrol show hostnames`` when available."""
   try:
-    res = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                         text=True, timeout=30, check=True)
+    res = subprocess.run(
+      ["scontrol", "show", "hostnames", nodelist],
+      capture_output=True,
+      text=True,
+      timeout=30,
+      check=True,
+    )
     lines = res.stdout.split()
     if lines:
       return lines[0]
@@ -185,8 +193,9 @@ def _ids(value) -> Optional[tuple]:
   return tuple(int(v) for v in value)
 
 
-def wanted(env: Optional[Mapping[str, str]] = None, *, flag: bool = False,
-           coordinator: Optional[str] = None) -> bool:
+def wanted(
+  env: Optional[Mapping[str, str]] = None, *, flag: bool = False, coordinator: Optional[str] = None
+) -> bool:
   """Whether this process is part of a multi-process run."""
   env = os.environ if env is None else env
   if flag or coordinator or env.get("JAX_COORDINATOR_ADDRESS"):
@@ -200,10 +209,15 @@ def wanted(env: Optional[Mapping[str, str]] = None, *, flag: bool = False,
   return False
 
 
-def resolve(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
-            process_id: Optional[int] = None, local_device_ids=None,
-            heartbeat_timeout: Optional[int] = None, init_timeout: Optional[int] = None,
-            env: Optional[Mapping[str, str]] = None) -> DistConfig:
+def resolve(
+  coordinator: Optional[str] = None,
+  num_processes: Optional[int] = None,
+  process_id: Optional[int] = None,
+  local_device_ids=None,
+  heartbeat_timeout: Optional[int] = None,
+  init_timeout: Optional[int] = None,
+  env: Optional[Mapping[str, str]] = None,
+) -> DistConfig:
   """The initialize() parameters for this process (see the module docstring for the order)."""
   env = os.environ if env is None else env
   sources = []
@@ -235,7 +249,9 @@ def resolve(coordinator: Optional[str] = None, num_processes: Optional[int] = No
       ids = slurm_local_device_ids(env)
   hb = _int(heartbeat_timeout, "--heartbeat-timeout")
   if hb is None:
-    hb = _int(env.get("LCA_HEARTBEAT_TIMEOUT"), "LCA_HEARTBEAT_TIMEOUT") or DEFAULT_HEARTBEAT_TIMEOUT
+    hb = (
+      _int(env.get("LCA_HEARTBEAT_TIMEOUT"), "LCA_HEARTBEAT_TIMEOUT") or DEFAULT_HEARTBEAT_TIMEOUT
+    )
   it = _int(init_timeout, "--init-timeout")
   if it is None:
     it = _int(env.get("LCA_INIT_TIMEOUT"), "LCA_INIT_TIMEOUT") or DEFAULT_INIT_TIMEOUT
@@ -266,10 +282,11 @@ def wait_for_coordinator(address: str, timeout: float) -> None:
       last = e
     if time.monotonic() >= deadline:
       raise DistributedError(
-          f"could not reach the coordinator {address} (process 0 of the run) within "
-          f"{timeout:g}s: {getattr(last, 'strerror', None) or last}. Start process 0 with the "
-          "same --coordinator / --num-processes, and check the host name and that the port is "
-          "open between the hosts")
+        f"could not reach the coordinator {address} (process 0 of the run) within "
+        f"{timeout:g}s: {getattr(last, 'strerror', None) or last}. Start process 0 with the "
+        "same --coordinator / --num-processes, and check the host name and that the port is "
+        "open between the hosts"
+      )
     time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
@@ -280,16 +297,23 @@ def initialize(cfg: DistConfig) -> None:
   never connect is ended by jax itself after ``cfg.init_timeout`` s ("DEADLINE_EXCEEDED ...
   RegisterTask", status 134)."""
   import jax  # pylint: disable=g-import-not-at-top
+
   if cfg.process_id not in (None, 0) and cfg.coordinator:
     wait_for_coordinator(cfg.coordinator, cfg.init_timeout)
-  kw = dict(initialization_timeout=int(cfg.init_timeout),
-            heartbeat_timeout_seconds=int(cfg.heartbeat_timeout),
-            # the barrier every process passes at exit: bounded like a dead peer
-            shutdown_timeout_seconds=max(30, int(cfg.heartbeat_timeout)))
+  kw = dict(
+    initialization_timeout=int(cfg.init_timeout),
+    heartbeat_timeout_seconds=int(cfg.heartbeat_timeout),
+    # the barrier every process passes at exit: bounded like a dead peer
+    shutdown_timeout_seconds=max(30, int(cfg.heartbeat_timeout)),
+  )
   if cfg.local_device_ids is not None:
     kw["local_device_ids"] = list(cfg.local_device_ids)
-  print(f"lca-train: joining a {cfg.num_processes or '?'}-process run: {cfg.describe()}; "
-        f"waiting up to {cfg.init_timeout}s for every process", file=sys.stderr, flush=True)
+  print(
+    f"lca-train: joining a {cfg.num_processes or '?'}-process run: {cfg.describe()}; "
+    f"waiting up to {cfg.init_timeout}s for every process",
+    file=sys.stderr,
+    flush=True,
+  )
   try:
     jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, **kw)
   except (ValueError, TypeError) as e:
@@ -297,9 +321,10 @@ def initialize(cfg: DistConfig) -> None:
   except Exception as e:  # noqa: BLE001 - XlaRuntimeError and friends: connection problems
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise DistributedError(
-        f"could not join the {cfg.num_processes}-process run at {cfg.coordinator} within "
-        f"{cfg.init_timeout}s ({first}); check that every process was started with the same "
-        "coordinator address and process count, and that the port is reachable") from None
+      f"could not join the {cfg.num_processes}-process run at {cfg.coordinator} within "
+      f"{cfg.init_timeout}s ({first}); check that every process was started with the same "
+      "coordinator address and process count, and that the port is reachable"
+    ) from None
 
 
 # ---- hang watchdog -------------------------------------------------------------------------
@@ -349,9 +374,13 @@ class Watchdog:
 
   def _expire(self):
     idle = time.monotonic() - self._last
-    print(f"{self.name}: error: no progress for {idle:.0f}s (watchdog {self.timeout:.0f}s; last: "
-          f"{self._what}). A process of this run is stuck or a peer is gone; exiting with "
-          f"status {EXIT_HUNG}. Thread stacks follow.", file=sys.stderr, flush=True)
+    print(
+      f"{self.name}: error: no progress for {idle:.0f}s (watchdog {self.timeout:.0f}s; last: "
+      f"{self._what}). A process of this run is stuck or a peer is gone; exiting with "
+      f"status {EXIT_HUNG}. Thread stacks follow.",
+      file=sys.stderr,
+      flush=True,
+    )
     try:
       faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     except Exception:  # noqa: BLE001 - best effort
@@ -368,6 +397,7 @@ def exit_now(code: int, grace: float = 10.0) -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   import jax  # pylint: disable=g-import-not-at-top
+
   t = threading.Thread(target=jax.distributed.shutdown, name="lca-shutdown", daemon=True)
   t.start()
   t.join(grace)
@@ -378,27 +408,45 @@ def exit_now(code: int, grace: float = 10.0) -> None:
 
 def local_process_info() -> str:
   import jax  # pylint: disable=g-import-not-at-top
-  return (f"process {jax.process_index()}/{jax.process_count()}, "
-          f"{jax.local_device_count()} local of {jax.device_count()} devices")
+
+  return (
+    f"process {jax.process_index()}/{jax.process_count()}, "
+    f"{jax.local_device_count()} local of {jax.device_count()} devices"
+  )
 
 
 def all_agree(flag: bool) -> bool:
   """True on every process iff ``flag`` is True on every process (False when one says False)."""
   import jax  # pylint: disable=g-import-not-at-top
+
   if jax.process_count() == 1:
     return bool(flag)
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
   return bool(np.all(multihost_utils.process_allgather(np.array([bool(flag)]))))
 
 
 def barrier(name: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
+
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
     multihost_utils.sync_global_devices(name)
 
 
-__all__: Sequence[str] = ("DistConfig", "DistributedError", "Watchdog", "resolve", "initialize",
-                          "wanted", "parse_nodelist", "first_slurm_host",
-                          "slurm_local_device_ids", "all_agree", "barrier", "EXIT_HUNG")
+__all__: Sequence[str] = (
+  "DistConfig",
+  "DistributedError",
+  "Watchdog",
+  "resolve",
+  "initialize",
+  "wanted",
+  "parse_nodelist",
+  "first_slurm_host",
+  "slurm_local_device_ids",
+  "all_agree",
+  "barrier",
+  "EXIT_HUNG",
+)

@@ -9,6 +9,7 @@ batches and its deterministic eval pass (pretraining bytes via :mod:`lca_jax.dat
 ``data.sft_format`` examples via :mod:`lca_jax.data.sft`); ``check_data_files`` fails early
 when a data glob matches nothing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,19 +47,24 @@ def plan_batches(config, mesh) -> BatchPlan:
   gbb = int(config.train.global_batch_bytes)
   micro = int(config.train.micro_batch_size)
   if t <= 0 or micro <= 0 or gbb <= 0:
-    raise TrainError("data.seq_len, train.micro_batch_size and train.global_batch_bytes must be positive")
+    raise TrainError(
+      "data.seq_len, train.micro_batch_size and train.global_batch_bytes must be positive"
+    )
   if gbb % (micro * t):
     raise TrainError(
-        f"train.global_batch_bytes={gbb} is not a multiple of train.micro_batch_size * data.seq_len"
-        f" = {micro} * {t} = {micro * t}")
+      f"train.global_batch_bytes={gbb} is not a multiple of train.micro_batch_size * data.seq_len"
+      f" = {micro} * {t} = {micro * t}"
+    )
   shards = shd.batch_shards(mesh)
   if micro % shards:
     raise TrainError(
-        f"train.micro_batch_size={micro} rows cannot be divided over the {shards} batch shards "
-        f"of the mesh (data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}); use a multiple of {shards}")
+      f"train.micro_batch_size={micro} rows cannot be divided over the {shards} batch shards "
+      f"of the mesh (data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}); use a multiple of {shards}"
+    )
   if micro % jax.process_count():
-    raise TrainError(f"train.micro_batch_size={micro} is not divisible by the "
-                     f"{jax.process_count()} processes")
+    raise TrainError(
+      f"train.micro_batch_size={micro} is not divisible by the {jax.process_count()} processes"
+    )
   rows = gbb // t
   return BatchPlan(seq_len=t, rows=rows, micro=micro, accum=rows // micro)
 
@@ -73,6 +79,7 @@ def cfg_get(section, key, default):
 def demo_corpus_files() -> list:
   """The bundled demo corpus (lca_jax/data/corpus), split by ``lca_jax.data.DEMO_HOLDOUT_EVERY``."""
   from lca_jax.data import demo  # pylint: disable=g-import-not-at-top
+
   path = demo.demo_corpus_path()
   if not os.path.isfile(path):
     raise TrainError(f"the bundled demo corpus is missing: {path}")
@@ -92,27 +99,38 @@ def data_sources(config) -> dict:
   split = lambda s: [p.strip() for p in s.split(",") if p.strip()]
   fmt = _fmt(config.data.format)
   if not train_files and _sft_format(config):
-    raise TrainError(f"data.sft_format={_sft_format(config)!r} needs data.train_files "
-                     "(jsonl files of examples); the bundled demo corpus is plain text")
+    raise TrainError(
+      f"data.sft_format={_sft_format(config)!r} needs data.train_files "
+      "(jsonl files of examples); the bundled demo corpus is plain text"
+    )
   if not train_files:
     demo = demo_corpus_files()
     out = dict(train=dict(files=demo, format="text", holdout="train"))
-    out["eval"] = (dict(files=split(eval_files), format=fmt, holdout=None) if eval_files
-                   else dict(files=demo, format="text", holdout="eval"))
+    out["eval"] = (
+      dict(files=split(eval_files), format=fmt, holdout=None)
+      if eval_files
+      else dict(files=demo, format="text", holdout="eval")
+    )
     return out
   train_src = split(train_files) if fmt != "tfds" else train_files
   out = dict(train=dict(files=train_src, format=fmt, holdout=None), eval=None)
   if eval_files:
-    out["eval"] = dict(files=split(eval_files) if fmt != "tfds" else eval_files, format=fmt,
-                       holdout=None)
+    out["eval"] = dict(
+      files=split(eval_files) if fmt != "tfds" else eval_files, format=fmt, holdout=None
+    )
   return out
 
 
 def _pipeline_kwargs(config, src):
-  kw = dict(format=src["format"], seq_len=int(config.data.seq_len),
-            packing=str(config.data.packing), worker_count=int(config.data.worker_count))
+  kw = dict(
+    format=src["format"],
+    seq_len=int(config.data.seq_len),
+    packing=str(config.data.packing),
+    worker_count=int(config.data.worker_count),
+  )
   if src["holdout"]:
     from lca_jax.data import demo  # pylint: disable=g-import-not-at-top
+
     kw.update(holdout=src["holdout"], holdout_every=demo.DEMO_HOLDOUT_EVERY)
   if src["format"] == "tfds":
     kw["tfds_split"] = str(config.data.tfds_split)
@@ -125,11 +143,15 @@ def _sft_format(config) -> str:
 
 def _sft_kwargs(config):
   from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
+
   packing = str(config.data.packing)
   # ``concat`` (cut documents into rows) has no meaning for prompt/target examples.
-  return dict(sft_format=_sft_format(config), seq_len=int(config.data.seq_len),
-              packing=packing if packing in sft.SFT_PACKING else "segmented",
-              worker_count=int(config.data.worker_count))
+  return dict(
+    sft_format=_sft_format(config),
+    seq_len=int(config.data.seq_len),
+    packing=packing if packing in sft.SFT_PACKING else "segmented",
+    worker_count=int(config.data.worker_count),
+  )
 
 
 def make_train_pipeline(config, plan: BatchPlan):
@@ -137,11 +159,23 @@ def make_train_pipeline(config, plan: BatchPlan):
   src = data_sources(config)["train"]
   if _sft_format(config):
     from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
-    return sft.make_sft_pipeline(src["files"], batch_size=plan.host_rows,
-                                 seed=int(config.train.seed), shuffle=True, **_sft_kwargs(config))
+
+    return sft.make_sft_pipeline(
+      src["files"],
+      batch_size=plan.host_rows,
+      seed=int(config.train.seed),
+      shuffle=True,
+      **_sft_kwargs(config),
+    )
   from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
-  return dp.make_pipeline(src["files"], batch_size=plan.host_rows, seed=int(config.train.seed),
-                          shuffle=True, **_pipeline_kwargs(config, src))
+
+  return dp.make_pipeline(
+    src["files"],
+    batch_size=plan.host_rows,
+    seed=int(config.train.seed),
+    shuffle=True,
+    **_pipeline_kwargs(config, src),
+  )
 
 
 def make_eval_pipeline(config, plan: BatchPlan):
@@ -152,12 +186,23 @@ def make_eval_pipeline(config, plan: BatchPlan):
   max_batches = int(config.train.eval_batches) or None
   if _sft_format(config):
     from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
-    return sft.make_sft_eval_pipeline(src["files"], batch_size=plan.host_micro,
-                                      max_batches=max_batches, shard_index=jax.process_index(),
-                                      shard_count=jax.process_count(), **_sft_kwargs(config))
+
+    return sft.make_sft_eval_pipeline(
+      src["files"],
+      batch_size=plan.host_micro,
+      max_batches=max_batches,
+      shard_index=jax.process_index(),
+      shard_count=jax.process_count(),
+      **_sft_kwargs(config),
+    )
   from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
-  return dp.make_eval_pipeline(src["files"], batch_size=plan.host_micro, max_batches=max_batches,
-                               **_pipeline_kwargs(config, src))
+
+  return dp.make_eval_pipeline(
+    src["files"],
+    batch_size=plan.host_micro,
+    max_batches=max_batches,
+    **_pipeline_kwargs(config, src),
+  )
 
 
 def check_data_files(config) -> None:
@@ -167,6 +212,7 @@ def check_data_files(config) -> None:
   from lca_jax.data import sources  # pylint: disable=g-import-not-at-top
   from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
   from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
+
   run_config.validate_run_config(config)
   for name, src in data_sources(config).items():
     if src is None or src["format"] == "tfds":

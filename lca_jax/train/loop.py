@@ -13,6 +13,7 @@ that step or later is written. Batch layout and data pipelines come from train/i
 the stop flag (SIGTERM, SIGINT, ``request_stop``) from train/stop.py; one run per work
 directory (a lock, train/workdir_lock.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,15 +29,12 @@ import numpy as np
 
 from lca_jax.model.config import ModelConfig
 from lca_jax.train import checkpoint as ckpt_lib
-from lca_jax.train import inputs
+from lca_jax.train import inputs, optim, run_config, workdir_lock
 from lca_jax.train import metrics as met
-from lca_jax.train import optim
-from lca_jax.train import run_config
 from lca_jax.train import sharding as shd
 from lca_jax.train import state as st
 from lca_jax.train import step as step_lib
 from lca_jax.train import stop as stop_lib
-from lca_jax.train import workdir_lock
 from lca_jax.train.errors import NonFiniteLossError, TrainError
 from lca_jax.train.manifest import CorruptCheckpointError
 from lca_jax.train.stop import request_stop  # noqa: F401  (public API: loop.request_stop)
@@ -44,8 +42,11 @@ from lca_jax.train.stop import request_stop  # noqa: F401  (public API: loop.req
 
 # ---- configuration -------------------------------------------------------------------------
 def lambdas(config):
-  return (float(config.train.lambda_ntp), float(config.train.lambda_mbp),
-          float(config.train.lambda_bp))
+  return (
+    float(config.train.lambda_ntp),
+    float(config.train.lambda_mbp),
+    float(config.train.lambda_bp),
+  )
 
 
 def prepare_workdir(workdir: str) -> str:
@@ -60,8 +61,10 @@ def prepare_workdir(workdir: str) -> str:
         f.write("ok")
       os.remove(probe)
     except OSError as e:
-      raise TrainError(f"cannot write to {'workdir' if d == workdir else 'checkpoint folder'} "
-                       f"{d}: {e.strerror or e}") from None
+      raise TrainError(
+        f"cannot write to {'workdir' if d == workdir else 'checkpoint folder'} "
+        f"{d}: {e.strerror or e}"
+      ) from None
   return workdir
 
 
@@ -87,13 +90,15 @@ class Setup:
   def device_batch(self, host_batch: dict) -> dict:
     """Host rows [host_rows, T] -> global [accum, micro, T] on the mesh."""
     p = self.plan
-    shaped = {k: np.asarray(v).reshape(p.accum, p.host_micro, p.seq_len)
-              for k, v in host_batch.items()}
+    shaped = {
+      k: np.asarray(v).reshape(p.accum, p.host_micro, p.seq_len) for k, v in host_batch.items()
+    }
     return shd.put_batch(shaped, shd.batch_sharding(self.mesh, True), 1)
 
   def device_eval_batch(self, host_batch: dict) -> dict:
-    return shd.put_batch({k: np.asarray(v) for k, v in host_batch.items()},
-                         shd.batch_sharding(self.mesh, False), 0)
+    return shd.put_batch(
+      {k: np.asarray(v) for k, v in host_batch.items()}, shd.batch_sharding(self.mesh, False), 0
+    )
 
 
 def model_config_of(config) -> ModelConfig:
@@ -113,25 +118,41 @@ def prepare(config, devices: Optional[Sequence[Any]] = None) -> Setup:
   mesh = shd.make_mesh(config.mesh, devices)
   plan = inputs.plan_batches(config, mesh)
   horizon = optim.decay_horizon(config.optim, int(config.train.steps))
-  key = (model_cfg, tuple(sorted(config.optim.to_dict().items())), horizon, lambdas(config),
-         int(config.train.seed), tuple(d.id for d in mesh.devices.flat),
-         tuple(mesh.shape.items()), plan, jax.process_count())
+  key = (
+    model_cfg,
+    tuple(sorted(config.optim.to_dict().items())),
+    horizon,
+    lambdas(config),
+    int(config.train.seed),
+    tuple(d.id for d in mesh.devices.flat),
+    tuple(mesh.shape.items()),
+    plan,
+    jax.process_count(),
+  )
   if key in _SETUP_CACHE:
     return dataclasses.replace(_SETUP_CACHE[key], config=config)
   tx, schedule = optim.make_optimizer(config.optim, int(config.train.steps))
   seed = int(config.train.seed)
   abstract, shardings = st.state_shardings(model_cfg, tx, mesh, seed)
-  step_fn = step_lib.make_train_step(model_cfg, tx, schedule, lambdas(config),
-                                     grad_shardings=shardings.params)
+  step_fn = step_lib.make_train_step(
+    model_cfg, tx, schedule, lambdas(config), grad_shardings=shardings.params
+  )
   rep = shd.replicated(mesh)
-  train_step = jax.jit(step_fn, in_shardings=(shardings, shd.batch_sharding(mesh, True)),
-                       out_shardings=(shardings, rep), donate_argnums=(0,))
-  eval_step = jax.jit(step_lib.make_eval_step(model_cfg, lambdas(config)),
-                      in_shardings=(shardings.params, shd.batch_sharding(mesh, False)),
-                      out_shardings=rep)
+  train_step = jax.jit(
+    step_fn,
+    in_shardings=(shardings, shd.batch_sharding(mesh, True)),
+    out_shardings=(shardings, rep),
+    donate_argnums=(0,),
+  )
+  eval_step = jax.jit(
+    step_lib.make_eval_step(model_cfg, lambdas(config)),
+    in_shardings=(shardings.params, shd.batch_sharding(mesh, False)),
+    out_shardings=rep,
+  )
   init_fn = st.make_init_fn(model_cfg, tx, seed, shardings)
-  setup = Setup(config, model_cfg, mesh, plan, tx, schedule, abstract, shardings, train_step,
-                eval_step, init_fn)
+  setup = Setup(
+    config, model_cfg, mesh, plan, tx, schedule, abstract, shardings, train_step, eval_step, init_fn
+  )
   if len(_SETUP_CACHE) > 8:
     _SETUP_CACHE.pop(next(iter(_SETUP_CACHE)))
   _SETUP_CACHE[key] = setup
@@ -140,7 +161,9 @@ def prepare(config, devices: Optional[Sequence[Any]] = None) -> Setup:
 
 def _shape_mismatches(want, got) -> list:
   w = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(want)}
-  g = {jax.tree_util.keystr(k): tuple(np.shape(v)) for k, v in jax.tree_util.tree_leaves_with_path(got)}
+  g = {
+    jax.tree_util.keystr(k): tuple(np.shape(v)) for k, v in jax.tree_util.tree_leaves_with_path(got)
+  }
   out = [f"{k}: missing" for k in sorted(set(w) - set(g))]
   out += [f"{k}: unexpected" for k in sorted(set(g) - set(w))]
   out += [f"{k}: {g[k]} vs {w[k]}" for k in sorted(set(w) & set(g)) if tuple(w[k]) != tuple(g[k])]
@@ -156,21 +179,24 @@ def load_init_params(setup: Setup, source: str):
     src_abs = st.abstract_params(src_cfg)
     bad = _shape_mismatches(want, src_abs)
     if bad:
-      raise TrainError(f"train.init_from={source}: its model does not match this config's "
-                       f"({'; '.join(bad[:6])})")
+      raise TrainError(
+        f"train.init_from={source}: its model does not match this config's ({'; '.join(bad[:6])})"
+      )
     try:
       return ckpt_lib.restore_params(source, want)
     except (FileNotFoundError, CorruptCheckpointError) as e:
       raise TrainError(f"train.init_from: {e}") from None
   import lca_jax  # pylint: disable=g-import-not-at-top
+
   try:
     model = lca_jax.load(source)
   except lca_jax.LoadError as e:
     raise TrainError(f"train.init_from: {e}") from None
   bad = _shape_mismatches(want, model.params)
   if bad:
-    raise TrainError(f"train.init_from={source}: its model does not match this config's "
-                     f"({'; '.join(bad[:6])})")
+    raise TrainError(
+      f"train.init_from={source}: its model does not match this config's ({'; '.join(bad[:6])})"
+    )
   return jax.tree_util.tree_map(lambda a, s: jnp.asarray(a, s.dtype), model.params, want)
 
 
@@ -206,9 +232,14 @@ def evaluate(setup: Setup, params, config=None) -> Optional[dict]:
 
 
 # ---- the loop ------------------------------------------------------------------------------
-def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]] = None,
-                       on_step: Optional[Callable[[int, dict], Any]] = None,
-                       watchdog: float = 0.0) -> TrainResult:
+def train_and_evaluate(
+  config,
+  workdir: str,
+  *,
+  devices: Optional[Sequence[Any]] = None,
+  on_step: Optional[Callable[[int, dict], Any]] = None,
+  watchdog: float = 0.0,
+) -> TrainResult:
   """Train ``config`` (an ml_collections ConfigDict) in ``workdir``; resume if it has a
   checkpoint. ``devices``: the devices of the mesh (default all). ``on_step(step, batch)`` is
   called with each host batch before it is trained on (step counts from 0). ``watchdog`` > 0:
@@ -231,9 +262,12 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
     ckpt_every = int(config.train.checkpoint_every)
 
     ckpt = ckpt_lib.Checkpointer(
-        workdir, keep=int(config.train.keep_checkpoints),
-        async_save=bool(inputs.cfg_get(config.train, "async_checkpointing", True)))
+      workdir,
+      keep=int(config.train.keep_checkpoints),
+      async_save=bool(inputs.cfg_get(config.train, "async_checkpointing", True)),
+    )
     from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
+
     dog = distributed.Watchdog(float(watchdog or 0))
     # From here on SIGTERM (preemption, scancel, the launchers) and SIGINT (Ctrl-C) stop at
     # the end of the first step that completes and checkpoint it.
@@ -246,8 +280,9 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
     pipeline = inputs.make_train_pipeline(config, plan)
 
     with shd.mesh_context(mesh):
-      state, latest = (ckpt.restore_latest(setup.abstract, pipeline) if latest is not None
-                       else (None, None))
+      state, latest = (
+        ckpt.restore_latest(setup.abstract, pipeline) if latest is not None else (None, None)
+      )
       if latest is not None:
         origin = f"resumed from step {latest}"
       elif str(config.train.init_from or ""):
@@ -260,18 +295,22 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
     start = int(jax.device_get(state.step))
 
     n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(setup.abstract.params))
-    flops_fn = lambda bpl: met.train_flops_per_step(model_cfg, setup.abstract.params, plan.rows,
-                                                     plan.seq_len, bpl)
+    flops_fn = lambda bpl: met.train_flops_per_step(
+      model_cfg, setup.abstract.params, plan.rows, plan.seq_len, bpl
+    )
     peak = met.peak_flops_per_device(
-        override_tflops=float(inputs.cfg_get(config.train, "peak_tflops", 0.0)))
+      override_tflops=float(inputs.cfg_get(config.train, "peak_tflops", 0.0))
+    )
     n_dev = mesh.devices.size
-    writer = met.MetricsWriter(workdir, bool(inputs.cfg_get(config.train, "tensorboard", True)),
-                               start_step=start)
+    writer = met.MetricsWriter(
+      workdir, bool(inputs.cfg_get(config.train, "tensorboard", True)), start_step=start
+    )
     progress = met.Progress(total, start, bool(config.train.progress_bar))
     progress.write(
-        f"lca-train: {model_cfg.kind} model, {n_params / 1e6:.2f}M params, mesh "
-        f"{dict(mesh.shape)}, {plan.rows} rows x {plan.seq_len} bytes per step "
-        f"({plan.accum} x {plan.micro}-row micro-batches), steps {start}->{total} ({origin})")
+      f"lca-train: {model_cfg.kind} model, {n_params / 1e6:.2f}M params, mesh "
+      f"{dict(mesh.shape)}, {plan.rows} rows x {plan.seq_len} bytes per step "
+      f"({plan.accum} x {plan.micro}-row micro-batches), steps {start}->{total} ({origin})"
+    )
 
     last_train, last_eval = {}, {}
     window: list = []
@@ -286,17 +325,17 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
       m = {k: float(v) for k, v in jax.device_get(m_dev).items()}
       if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
         raise NonFiniteLossError(
-            f"non-finite loss at step {n} (loss={m['loss']}, grad_norm={m['grad_norm']}); "
-            f"stopped without checkpointing it (last checkpoint: "
-            f"{'step ' + str(last_saved) if last_saved is not None else 'none'}). "
-            "Try a lower optim.lr, more optim.warmup_steps or float32 compute.")
+          f"non-finite loss at step {n} (loss={m['loss']}, grad_norm={m['grad_norm']}); "
+          f"stopped without checkpointing it (last checkpoint: "
+          f"{'step ' + str(last_saved) if last_saved is not None else 'none'}). "
+          "Try a lower optim.lr, more optim.warmup_steps or float32 compute."
+        )
       window.append(m)
       progress.update(1)
       if n == 1 or n % log_every == 0 or n == total:
         now = time.perf_counter()
         step_time = (now - t_mark) / max(n - n_mark, 1)
-        avg = {k: float(np.mean([w[k] for w in window if k in w]))
-               for k in window[-1] if k != "lr"}
+        avg = {k: float(np.mean([w[k] for w in window if k in w])) for k in window[-1] if k != "lr"}
         avg["lr"] = m["lr"]
         avg["step_time"] = step_time
         avg["bytes_per_s"] = plan.bytes_per_step / step_time
@@ -341,16 +380,21 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
           if res is not None:
             writer.write_eval(n, res)
             last_eval = dict(res, step=n)
-            progress.write(f"eval @ {n}: bpb_ntp {res['bpb_ntp']:.4f}" +
-                           (f", bpb_mbp {res['bpb_mbp']:.4f}" if "bpb_mbp" in res else ""))
+            progress.write(
+              f"eval @ {n}: bpb_ntp {res['bpb_ntp']:.4f}"
+              + (f", bpb_mbp {res['bpb_mbp']:.4f}" if "bpb_mbp" in res else "")
+            )
           if dog_armed:
             dog.arm(f"eval @ {n}")
           reset_clock(n)
         if do_ckpt and last_saved != n:
           if not saved_once and dog_armed:
             dog.suspend(f"first checkpoint {n}")
-          ckpt.save(state, pipeline.get_state(),
-                    meta={"model": model_cfg.to_dict(), "bytes_seen": n * plan.bytes_per_step})
+          ckpt.save(
+            state,
+            pipeline.get_state(),
+            meta={"model": model_cfg.to_dict(), "bytes_seen": n * plan.bytes_per_step},
+          )
           last_saved = n
           if dog_armed:
             dog.arm(f"checkpoint {n}")
@@ -362,16 +406,25 @@ def train_and_evaluate(config, workdir: str, *, devices: Optional[Sequence[Any]]
         else:
           dog.beat(f"step {n}")
         if stopping:
-          progress.write(f"lca-train: stopping at step {n} ({stop.reason}); checkpoint saved, "
-                         "run the same command to resume")
+          progress.write(
+            f"lca-train: stopping at step {n} ({stop.reason}); checkpoint saved, "
+            "run the same command to resume"
+          )
           break
       if pending is not None:
         process(pending)
     final = int(jax.device_get(state.step))
     stopped = stop.flag and final < total
-    return TrainResult(step=final, stopped=stopped, state=state, last_train=last_train,
-                       last_eval=last_eval, workdir=workdir, skipped=pipeline.stats.skipped,
-                       interrupted=stopped and stop.signum == signal.SIGINT)
+    return TrainResult(
+      step=final,
+      stopped=stopped,
+      state=state,
+      last_train=last_train,
+      last_eval=last_eval,
+      workdir=workdir,
+      skipped=pipeline.stats.skipped,
+      interrupted=stopped and stop.signum == signal.SIGINT,
+    )
   finally:
     if dog is not None:
       dog.close()

@@ -7,6 +7,7 @@ manifest before it is restored (a missing or truncated file names the step corru
 of processes. ``CorruptCheckpointError`` / ``CorruptCheckpointWarning`` are what
 :mod:`lca_jax.train.checkpoint` raises / warns when steps fail these checks or their restore.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ from typing import Optional
 
 import jax
 
-from lca_jax.train.run_config import ConfigMismatchError
 from lca_jax.errors import LcaError
+from lca_jax.train.run_config import ConfigMismatchError
 
 MANIFEST = "lca_manifest.json"
 # Files orbax may still rewrite after the commit; not part of the manifest.
@@ -99,6 +100,7 @@ def check_process_count(step_dir: str, n: int) -> None:
       counts.add(int(m.group(1)))
   if counts and n not in counts:
     raise ConfigMismatchError(
-        f"the checkpoint in {os.path.dirname(step_dir)} was written by {max(counts)} processes, "
-        f"this run has {n}: resume it with {max(counts)} processes (any number of devices per "
-        "process), or start a new --workdir with train.init_from=<this workdir> (params only)")
+      f"the checkpoint in {os.path.dirname(step_dir)} was written by {max(counts)} processes, "
+      f"this run has {n}: resume it with {max(counts)} processes (any number of devices per "
+      "process), or start a new --workdir with train.init_from=<this workdir> (params only)"
+    )

@@ -40,6 +40,7 @@ it matches the dense XLA implementation, while the Pallas kernel skips most of t
 with the dense bf16 peak of the device kind (table below; ``train.peak_tflops`` overrides it,
 e.g. for CPUs, where MFU is otherwise null). The same bf16 peak is used for float32 runs.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,14 +55,38 @@ from lca_jax.model.config import ModelConfig
 
 # Dense bf16 peak FLOP/s per device, matched against ``device.device_kind`` (lower case).
 PEAK_FLOPS = (
-    ("h200", 989e12), ("h100", 989e12), ("gh200", 989e12), ("b200", 2250e12),
-    ("a100", 312e12), ("a10", 125e12), ("l40", 181e12), ("l4", 121e12), ("v100", 125e12),
-    ("tpu v6", 918e12), ("tpu v5p", 459e12), ("tpu v5 lite", 197e12), ("tpu v5e", 197e12),
-    ("tpu v5", 459e12), ("tpu v4", 275e12), ("tpu v3", 123e12),
+  ("h200", 989e12),
+  ("h100", 989e12),
+  ("gh200", 989e12),
+  ("b200", 2250e12),
+  ("a100", 312e12),
+  ("a10", 125e12),
+  ("l40", 181e12),
+  ("l4", 121e12),
+  ("v100", 125e12),
+  ("tpu v6", 918e12),
+  ("tpu v5p", 459e12),
+  ("tpu v5 lite", 197e12),
+  ("tpu v5e", 197e12),
+  ("tpu v5", 459e12),
+  ("tpu v4", 275e12),
+  ("tpu v3", 123e12),
 )
 
-TRAIN_KEYS = ("loss", "bpb_ntp", "bpb_mbp", "bp_loss", "bytes_per_latent", "overflow", "lr",
-              "grad_norm", "bytes_per_s", "step_time", "mfu", "skipped_records")
+TRAIN_KEYS = (
+  "loss",
+  "bpb_ntp",
+  "bpb_mbp",
+  "bp_loss",
+  "bytes_per_latent",
+  "overflow",
+  "lr",
+  "grad_norm",
+  "bytes_per_s",
+  "step_time",
+  "mfu",
+  "skipped_records",
+)
 
 
 def peak_flops_per_device(device=None, override_tflops: float = 0.0) -> Optional[float]:
@@ -79,8 +104,9 @@ def _count(tree) -> int:
   return int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
 
 
-def train_flops_per_step(cfg: ModelConfig, params, rows: int, seq_len: int,
-                         bytes_per_latent: Optional[float] = None) -> float:
+def train_flops_per_step(
+  cfg: ModelConfig, params, rows: int, seq_len: int, bytes_per_latent: Optional[float] = None
+) -> float:
   """Model FLOPs of one optimizer step over ``rows`` sequences of ``seq_len`` bytes (see the
   module docstring). ``params``: the (possibly abstract) unboxed parameter tree."""
   bt = float(rows) * seq_len
@@ -158,8 +184,10 @@ class MetricsWriter:
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-        self.tb = SummaryWriter(os.path.join(workdir, "tb"),
-                                purge_step=start_step + 1 if start_step else None)
+
+        self.tb = SummaryWriter(
+          os.path.join(workdir, "tb"), purge_step=start_step + 1 if start_step else None
+        )
       except ImportError:
         self.tb = None
 
@@ -206,14 +234,24 @@ class Progress:
     self.bar = None
     if enabled and jax.process_index() == 0:
       from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
-      self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
-                      file=sys.stderr, smoothing=0.1)
+
+      self.bar = tqdm(
+        total=total,
+        initial=initial,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stderr,
+        smoothing=0.1,
+      )
 
   def update(self, n: int = 1, **postfix):
     if self.bar is not None:
       if postfix:
-        self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v)
-                              for k, v in postfix.items()}, refresh=False)
+        self.bar.set_postfix(
+          {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in postfix.items()},
+          refresh=False,
+        )
       self.bar.update(n)
 
   def write(self, msg: str):

@@ -1,4 +1,5 @@
 """Optimizer: global-norm clipping, then Adam (or AdamW), linear warmup then cosine decay."""
+
 from __future__ import annotations
 
 import optax
@@ -14,9 +15,12 @@ def make_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
   """0 -> lr linearly over ``warmup_steps``, then cosine to ``lr * final_lr_ratio``."""
   lr = float(optim_cfg.lr)
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=lr, warmup_steps=int(optim_cfg.warmup_steps),
-      decay_steps=decay_horizon(optim_cfg, total_steps),
-      end_value=lr * float(optim_cfg.final_lr_ratio))
+    init_value=0.0,
+    peak_value=lr,
+    warmup_steps=int(optim_cfg.warmup_steps),
+    decay_steps=decay_horizon(optim_cfg, total_steps),
+    end_value=lr * float(optim_cfg.final_lr_ratio),
+  )
 
 
 def make_optimizer(optim_cfg, total_steps: int):

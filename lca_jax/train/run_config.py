@@ -9,6 +9,7 @@ mesh, ...), which may change between a checkpoint and the run resuming it.
 ``data.packing``, negative ``train.steps``, a learning rate that is not a positive number, ...)
 with a ``RunConfigError`` naming every bad field, before anything is built.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,20 +19,37 @@ from typing import Optional
 
 import jax
 
-from lca_jax.model.config import ConfigError, ModelConfig
 from lca_jax.errors import LcaError
+from lca_jax.model.config import ConfigError, ModelConfig
 
 CONFIG_FILE = "train_config.json"
 
 # Config fields that may differ between a checkpoint and the run resuming it.
 RESUME_MUTABLE = (
-    "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-    "train.checkpoint_every", "train.keep_checkpoints", "train.progress_bar", "train.init_from",
-    "train.micro_batch_size", "train.peak_tflops", "train.tensorboard",
-    "train.async_checkpointing", "data.eval_files", "model.attention_impl", "model.remat",
-    "model.max_seq_len", "model.attn_block_q", "model.attn_block_k", "model.lca_block_q",
-    "model.lca_lookback", "model.attn_parallel",
-    "mesh.data", "mesh.fsdp", "mesh.tensor",
+  "train.steps",
+  "train.log_every",
+  "train.eval_every",
+  "train.eval_batches",
+  "train.checkpoint_every",
+  "train.keep_checkpoints",
+  "train.progress_bar",
+  "train.init_from",
+  "train.micro_batch_size",
+  "train.peak_tflops",
+  "train.tensorboard",
+  "train.async_checkpointing",
+  "data.eval_files",
+  "model.attention_impl",
+  "model.remat",
+  "model.max_seq_len",
+  "model.attn_block_q",
+  "model.attn_block_k",
+  "model.lca_block_q",
+  "model.lca_lookback",
+  "model.attn_parallel",
+  "mesh.data",
+  "mesh.fsdp",
+  "mesh.tensor",
 )
 
 
@@ -77,30 +95,30 @@ def _number(v, integer: bool):
 
 # (key, integer?, check, what it must be)
 _NUMBERS = (
-    ("data.seq_len", True, lambda x: x >= 1, "an integer >= 1"),
-    ("data.worker_count", True, lambda x: x >= 0, "an integer >= 0"),
-    ("train.steps", True, lambda x: x >= 0, "an integer >= 0"),
-    ("train.seed", True, lambda x: True, "an integer"),
-    ("train.global_batch_bytes", True, lambda x: x >= 1, "an integer >= 1"),
-    ("train.micro_batch_size", True, lambda x: x >= 1, "an integer >= 1"),
-    ("train.log_every", True, lambda x: x >= 0, "an integer >= 0"),
-    ("train.eval_every", True, lambda x: x >= 0, "an integer >= 0 (0 = no eval)"),
-    ("train.eval_batches", True, lambda x: x >= 0, "an integer >= 0 (0 = all)"),
-    ("train.checkpoint_every", True, lambda x: x >= 0, "an integer >= 0 (0 = only at the end)"),
-    ("train.keep_checkpoints", True, lambda x: x >= 0, "an integer >= 0"),
-    ("train.lambda_ntp", False, lambda x: x >= 0, "a finite number >= 0"),
-    ("train.lambda_mbp", False, lambda x: x >= 0, "a finite number >= 0"),
-    ("train.lambda_bp", False, lambda x: x >= 0, "a finite number >= 0"),
-    ("train.peak_tflops", False, lambda x: x >= 0, "a finite number >= 0 (0 = look up)"),
-    ("optim.lr", False, lambda x: x > 0, "a finite number > 0"),
-    ("optim.warmup_steps", True, lambda x: x >= 0, "an integer >= 0"),
-    ("optim.decay_steps", True, lambda x: x >= 0, "an integer >= 0 (0 = train.steps)"),
-    ("optim.final_lr_ratio", False, lambda x: x >= 0, "a finite number >= 0"),
-    ("optim.b1", False, lambda x: 0 <= x < 1, "a number in [0, 1)"),
-    ("optim.b2", False, lambda x: 0 <= x < 1, "a number in [0, 1)"),
-    ("optim.eps", False, lambda x: x > 0, "a finite number > 0"),
-    ("optim.weight_decay", False, lambda x: x >= 0, "a finite number >= 0"),
-    ("optim.clip_norm", False, lambda x: x >= 0, "a finite number >= 0 (0 = no clipping)"),
+  ("data.seq_len", True, lambda x: x >= 1, "an integer >= 1"),
+  ("data.worker_count", True, lambda x: x >= 0, "an integer >= 0"),
+  ("train.steps", True, lambda x: x >= 0, "an integer >= 0"),
+  ("train.seed", True, lambda x: True, "an integer"),
+  ("train.global_batch_bytes", True, lambda x: x >= 1, "an integer >= 1"),
+  ("train.micro_batch_size", True, lambda x: x >= 1, "an integer >= 1"),
+  ("train.log_every", True, lambda x: x >= 0, "an integer >= 0"),
+  ("train.eval_every", True, lambda x: x >= 0, "an integer >= 0 (0 = no eval)"),
+  ("train.eval_batches", True, lambda x: x >= 0, "an integer >= 0 (0 = all)"),
+  ("train.checkpoint_every", True, lambda x: x >= 0, "an integer >= 0 (0 = only at the end)"),
+  ("train.keep_checkpoints", True, lambda x: x >= 0, "an integer >= 0"),
+  ("train.lambda_ntp", False, lambda x: x >= 0, "a finite number >= 0"),
+  ("train.lambda_mbp", False, lambda x: x >= 0, "a finite number >= 0"),
+  ("train.lambda_bp", False, lambda x: x >= 0, "a finite number >= 0"),
+  ("train.peak_tflops", False, lambda x: x >= 0, "a finite number >= 0 (0 = look up)"),
+  ("optim.lr", False, lambda x: x > 0, "a finite number > 0"),
+  ("optim.warmup_steps", True, lambda x: x >= 0, "an integer >= 0"),
+  ("optim.decay_steps", True, lambda x: x >= 0, "an integer >= 0 (0 = train.steps)"),
+  ("optim.final_lr_ratio", False, lambda x: x >= 0, "a finite number >= 0"),
+  ("optim.b1", False, lambda x: 0 <= x < 1, "a number in [0, 1)"),
+  ("optim.b2", False, lambda x: 0 <= x < 1, "a number in [0, 1)"),
+  ("optim.eps", False, lambda x: x > 0, "a finite number > 0"),
+  ("optim.weight_decay", False, lambda x: x >= 0, "a finite number >= 0"),
+  ("optim.clip_norm", False, lambda x: x >= 0, "a finite number >= 0 (0 = no clipping)"),
 )
 
 
@@ -110,17 +128,25 @@ def validate_run_config(config, *, min_steps: int = 0) -> None:
   ``min_steps``: the least ``train.steps`` accepted (lca-train asks for 1: a run of 0 steps
   trains and saves nothing; the Python API allows 0 to get the initial state back)."""
   from lca_jax.data.sft_format import SFT_FORMATS  # pylint: disable=g-import-not-at-top
+
   bad = []
   fmt = _value(config, "data.format")
   if fmt is not _MISSING and not (isinstance(fmt, str) and fmt.strip() in DATA_FORMATS + ("",)):
-    bad.append(f"data.format={fmt!r} is not a data format; use one of {', '.join(DATA_FORMATS[:3])}"
-               f", arrayrecord or tfds")
+    bad.append(
+      f"data.format={fmt!r} is not a data format; use one of {', '.join(DATA_FORMATS[:3])}"
+      f", arrayrecord or tfds"
+    )
   sft = _value(config, "data.sft_format")
   sft_on = isinstance(sft, str) and bool(sft.strip())
-  if sft is not _MISSING and sft is not None and not (
-      isinstance(sft, str) and sft.strip() in SFT_FORMATS + ("",)):
-    bad.append(f"data.sft_format={sft!r} is not an SFT format; use one of {', '.join(SFT_FORMATS)} "
-               "(or \"\" for pretraining)")
+  if (
+    sft is not _MISSING
+    and sft is not None
+    and not (isinstance(sft, str) and sft.strip() in SFT_FORMATS + ("",))
+  ):
+    bad.append(
+      f"data.sft_format={sft!r} is not an SFT format; use one of {', '.join(SFT_FORMATS)} "
+      "(or \"\" for pretraining)"
+    )
   packing = _value(config, "data.packing")
   allowed = SFT_PACKINGS if sft_on else PACKINGS
   if packing is not _MISSING and packing not in allowed:
@@ -134,8 +160,9 @@ def validate_run_config(config, *, min_steps: int = 0) -> None:
       bad.append(f"{key} must be {what}, got {v!r}")
   steps = _number(_value(config, "train.steps"), True)
   if min_steps and steps is not None and 0 <= steps < min_steps:
-    bad.append(f"train.steps must be >= {min_steps} (the number of optimizer steps to train "
-               f"to), got {steps}")
+    bad.append(
+      f"train.steps must be >= {min_steps} (the number of optimizer steps to train to), got {steps}"
+    )
   if bad:
     raise RunConfigError("bad config: " + "; ".join(bad))
 
@@ -192,14 +219,15 @@ def check_resume_config(workdir: str, config: dict) -> None:
   old = dict(saved.get("config", {}))
   # Model fields added to ModelConfig after the checkpoint was written take their defaults.
   defaults = ModelConfig().to_dict()
-  old["model"] = dict({k: v for k, v in defaults.items() if k in config.get("model", {})},
-                      **old.get("model", {}))
+  old["model"] = dict(
+    {k: v for k, v in defaults.items() if k in config.get("model", {})}, **old.get("model", {})
+  )
   diffs = config_diff(old, config)
   if diffs:
     shown = "; ".join(f"{k}: checkpoint {va!r}, now {vb!r}" for k, va, vb in diffs[:12])
     more = f" (+{len(diffs) - 12} more)" if len(diffs) > 12 else ""
     raise ConfigMismatchError(
-        f"the config does not match the checkpoint in {workdir}: {shown}{more}. "
-        "Use the checkpoint's values, or a new --workdir (train.init_from=<workdir> starts "
-        "from its params).")
-
+      f"the config does not match the checkpoint in {workdir}: {shown}{more}. "
+      "Use the checkpoint's values, or a new --workdir (train.init_from=<workdir> starts "
+      "from its params)."
+    )

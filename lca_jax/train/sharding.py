@@ -14,6 +14,7 @@ Axes are Auto (jax.make_mesh defaults to Explicit in current jax, which linen's 
 partitioning does not support). Tracing must happen inside ``mesh_context(mesh)`` so the
 model's ``with_logical_constraint`` calls see the mesh and the rules.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,8 @@ from typing import Any, Optional, Sequence
 
 import flax.linen as nn
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from lca_jax.errors import LcaError
 
@@ -30,14 +32,14 @@ AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 LOGICAL_RULES = (
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv", "tensor"),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("length", None),
-    ("norm", None),
+  ("batch", ("data", "fsdp")),
+  ("embed", "fsdp"),
+  ("heads", "tensor"),
+  ("kv", "tensor"),
+  ("mlp", "tensor"),
+  ("vocab", "tensor"),
+  ("length", None),
+  ("norm", None),
 )
 
 
@@ -56,20 +58,24 @@ def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
   fixed = math.prod(s for s in sizes if s != -1)
   if free:
     if n_devices % fixed:
-      raise MeshError(f"mesh: {n_devices} devices cannot be split with "
-                      f"{dict(zip(AXES, sizes))} (fixed axes use {fixed})")
+      raise MeshError(
+        f"mesh: {n_devices} devices cannot be split with "
+        f"{dict(zip(AXES, sizes))} (fixed axes use {fixed})"
+      )
     sizes[free[0]] = n_devices // fixed
   if math.prod(sizes) != n_devices:
-    raise MeshError(f"mesh: {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, "
-                    f"have {n_devices}")
+    raise MeshError(
+      f"mesh: {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, have {n_devices}"
+    )
   return tuple(sizes)
 
 
 def make_mesh(mesh_cfg, devices: Optional[Sequence[Any]] = None) -> jax.sharding.Mesh:
   devices = list(devices) if devices is not None else jax.devices()
   shape = mesh_shape(mesh_cfg, len(devices))
-  return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
-                       devices=devices)
+  return jax.make_mesh(
+    shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices
+  )
 
 
 def batch_shards(mesh) -> int:
@@ -115,8 +121,10 @@ def shardings_from_logical(logical_specs, abstract_tree, mesh):
   is_spec = lambda x: isinstance(x, P) or x is None
   flat_specs, treedef = jax.tree_util.tree_flatten(mesh_specs, is_leaf=is_spec)
   flat_abs = treedef.flatten_up_to(abstract_tree)
-  out = [NamedSharding(mesh, _fit(s if s is not None else P(), a.shape, mesh))
-         for s, a in zip(flat_specs, flat_abs)]
+  out = [
+    NamedSharding(mesh, _fit(s if s is not None else P(), a.shape, mesh))
+    for s, a in zip(flat_specs, flat_abs)
+  ]
   return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -7,6 +7,7 @@
 Parameters are float32 (the master weights) whatever ``ModelConfig.dtype`` is; the model casts
 to the compute dtype inside its layers.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,15 +34,20 @@ def strip_boxes(tree):
   """Unbox flax ``Partitioned`` metadata without applying sharding constraints (safe on
   abstract trees and outside jit)."""
   from flax.core import meta  # pylint: disable=g-import-not-at-top
-  return jax.tree_util.tree_map(lambda x: x.value if isinstance(x, meta.AxisMetadata) else x,
-                                tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
+
+  return jax.tree_util.tree_map(
+    lambda x: x.value if isinstance(x, meta.AxisMetadata) else x,
+    tree,
+    is_leaf=lambda x: isinstance(x, meta.AxisMetadata),
+  )
 
 
 def abstract_params(cfg: ModelConfig, dtype=None, sharding=None):
   """Unboxed abstract params (ShapeDtypeStructs), optionally with a dtype and one sharding."""
   return jax.tree_util.tree_map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype, sharding=sharding),
-      strip_boxes(abstract_params_boxed(cfg)))
+    lambda a: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype, sharding=sharding),
+    strip_boxes(abstract_params_boxed(cfg)),
+  )
 
 
 def seed_key(seed: int) -> jax.Array:
@@ -60,14 +66,16 @@ def abstract_params_boxed(cfg: ModelConfig, seed: int = 0):
 
 def _boxed_state(cfg, tx, seed):
   boxed = _init_boxed_params(cfg, seed)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=boxed, opt_state=tx.init(boxed),
-                    rng=seed_key(seed))
+  return TrainState(
+    step=jnp.zeros((), jnp.int32), params=boxed, opt_state=tx.init(boxed), rng=seed_key(seed)
+  )
 
 
 def _state(cfg, tx, seed):
   params = strip_boxes(_init_boxed_params(cfg, seed))
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                    rng=seed_key(seed))
+  return TrainState(
+    step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=seed_key(seed)
+  )
 
 
 def state_shardings(cfg: ModelConfig, tx, mesh, seed: int = 0):
@@ -77,7 +85,8 @@ def state_shardings(cfg: ModelConfig, tx, mesh, seed: int = 0):
   specs = nn.get_partition_spec(boxed)
   shardings = shd.shardings_from_logical(specs, abstract, mesh)
   abstract = jax.tree_util.tree_map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+  )
   return abstract, shardings
 
 
@@ -102,6 +111,10 @@ def create_state(cfg: ModelConfig, tx, mesh, seed: int, shardings=None) -> Train
 
 def state_from_params(params, tx, seed: int, shardings) -> TrainState:
   """A step-0 TrainState around given params (``train.init_from``): fresh optimizer state."""
-  fn = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
-                                    rng=seed_key(seed)), out_shardings=shardings)
+  fn = jax.jit(
+    lambda p: TrainState(
+      step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p), rng=seed_key(seed)
+    ),
+    out_shardings=shardings,
+  )
   return fn(jax.device_put(params, shardings.params))

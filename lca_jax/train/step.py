@@ -10,9 +10,10 @@ the data and the step count, which is what makes resuming exact.
 Each micro-batch loss is ``compute_loss`` (a mean over that micro-batch's valid targets);
 micro-batches are weighted equally (exact for ``concat`` packing, where all rows are full).
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +38,17 @@ def _forward(model, params, mb, *, train, rng=None):
   if rng is not None:
     g, d = jax.random.split(rng)
     rngs = {"gumbel": g, "dropout": d}
-  return model.apply({"params": params}, mb["ids"], mb.get("segment_ids"), mb.get("positions"),
-                     train=train, rngs=rngs)
+  return model.apply(
+    {"params": params},
+    mb["ids"],
+    mb.get("segment_ids"),
+    mb.get("positions"),
+    train=train,
+    rngs=rngs,
+  )
 
 
-def make_train_step(cfg: ModelConfig, tx, schedule, lambdas: Sequence[float],
-                    grad_shardings=None):
+def make_train_step(cfg: ModelConfig, tx, schedule, lambdas: Sequence[float], grad_shardings=None):
   """The un-jitted step function; jit it with shardings and ``donate_argnums=0``."""
   model = ByteLM(cfg)
   lambdas = tuple(float(x) for x in lambdas)
@@ -57,9 +63,11 @@ def make_train_step(cfg: ModelConfig, tx, schedule, lambdas: Sequence[float],
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     accum = batch["ids"].shape[0]
     if accum == 1:
-      (_, metrics), grads = grad_fn(state.params, jax.tree_util.tree_map(lambda x: x[0], batch),
-                                    jax.random.fold_in(key, 0))
+      (_, metrics), grads = grad_fn(
+        state.params, jax.tree_util.tree_map(lambda x: x[0], batch), jax.random.fold_in(key, 0)
+      )
     else:
+
       def body(carry, xs):
         i, mb = xs
         (_, m), g = grad_fn(state.params, mb, jax.random.fold_in(key, i))
@@ -73,8 +81,7 @@ def make_train_step(cfg: ModelConfig, tx, schedule, lambdas: Sequence[float],
       m_shape = jax.eval_shape(lambda: loss_fn(state.params, mb0, key)[1])
       zeros = lambda t: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), t)
       g0 = jax.tree_util.tree_map(jnp.zeros_like, state.params)
-      (grads, msum), _ = jax.lax.scan(body, (g0, zeros(m_shape)),
-                                      (jnp.arange(accum), batch))
+      (grads, msum), _ = jax.lax.scan(body, (g0, zeros(m_shape)), (jnp.arange(accum), batch))
       grads = jax.tree_util.tree_map(lambda g: g / accum, grads)
       metrics = {k: (v if k in SUMMED else v / accum) for k, v in msum.items()}
     grad_norm = _global_norm(grads)

@@ -6,6 +6,7 @@ launchers), SIGINT (Ctrl-C) or ``request_stop`` sets it, and in a multi-process 
 second Ctrl-C quits at once (exit status 130) without waiting for the step or the checkpoint:
 a checkpoint not yet committed is never restored, the previous one stays.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,11 @@ class Stop:
       if self.signum == signal.SIGINT:
         os.write(2, b"\nlca-train: interrupted again: quitting without a checkpoint\n")
         os._exit(130)  # pylint: disable=protected-access
-      os.write(2, b"\nlca-train: Ctrl-C: stopping after this step with a checkpoint "
-                  b"(Ctrl-C again quits at once without it)\n")
+      os.write(
+        2,
+        b"\nlca-train: Ctrl-C: stopping after this step with a checkpoint "
+        b"(Ctrl-C again quits at once without it)\n",
+      )
     self.signum = self.signum or signum
     self.set(f"signal {signal.Signals(signum).name}")
 
@@ -59,6 +63,7 @@ class Stop:
     if jax.process_count() == 1:
       return self.flag
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
     flags = np.asarray(multihost_utils.process_allgather(np.array([self.flag]))).reshape(-1)
     if flags.any() and not self.flag:
       who = ", ".join(str(i) for i in np.flatnonzero(flags))

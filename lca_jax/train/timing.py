@@ -1,4 +1,5 @@
 """Timing lca-train's jitted step on host batches read beforehand (the benchmark tools)."""
+
 from __future__ import annotations
 
 import time
@@ -36,5 +37,10 @@ def time_train_steps(setup, host_batches, warmup: int) -> dict:
     jax.block_until_ready((state, ms))
     total = time.perf_counter() - t0
   steps = len(host_batches) - warmup
-  return dict(init_s=init_s, first_step_s=first_s, warmup_s=warmup_s,
-              step_s=total / max(steps, 1), metrics=jax.device_get(ms))
+  return dict(
+    init_s=init_s,
+    first_step_s=first_s,
+    warmup_s=warmup_s,
+    step_s=total / max(steps, 1),
+    metrics=jax.device_get(ms),
+  )

@@ -13,6 +13,7 @@ decides instead: a live pid on this host refuses the run, a dead one is taken ov
 owner on another host (whose pid cannot be checked from here) refuses the run, naming the file
 to remove if that run is dead.
 """
+
 from __future__ import annotations
 
 import errno
@@ -92,20 +93,26 @@ class WorkdirLock:
 
 
 def _record() -> bytes:
-  return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                     "argv": sys.argv[:8]}).encode()
+  return json.dumps(
+    {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "argv": sys.argv[:8]}
+  ).encode()
 
 
 def _refuse(workdir: str, owner: dict, extra: str = "") -> WorkdirLockedError:
   return WorkdirLockedError(
-      f"workdir {workdir} is in use by another lca-train run ({_describe(owner)}){extra}; "
-      "wait for it to end, stop it (SIGTERM or Ctrl-C checkpoint it), or use another --workdir")
+    f"workdir {workdir} is in use by another lca-train run ({_describe(owner)}){extra}; "
+    "wait for it to end, stop it (SIGTERM or Ctrl-C checkpoint it), or use another --workdir"
+  )
 
 
 def _note_takeover(old: dict) -> None:
   if old:
-    print(f"lca-train: note: taking over the lock of a run that is no longer running "
-          f"({_describe(old)})", file=sys.stderr, flush=True)
+    print(
+      f"lca-train: note: taking over the lock of a run that is no longer running "
+      f"({_describe(old)})",
+      file=sys.stderr,
+      flush=True,
+    )
 
 
 def acquire(workdir: str, process_index: int = 0) -> WorkdirLock:
@@ -143,8 +150,12 @@ def _acquire_without_flock(workdir: str, path: str) -> WorkdirLock:
   old = _read_owner(path)
   if old and old.get("pid") != os.getpid():
     if old.get("host") != socket.gethostname():
-      raise _refuse(workdir, old, f" (this filesystem cannot lock, so whether it is still "
-                    f"running cannot be checked from here: remove {path} if it is not)")
+      raise _refuse(
+        workdir,
+        old,
+        f" (this filesystem cannot lock, so whether it is still "
+        f"running cannot be checked from here: remove {path} if it is not)",
+      )
     if pid_alive(int(old.get("pid", 0) or 0)):
       raise _refuse(workdir, old)
     _note_takeover(old)
