@@ -38,7 +38,7 @@ import dataclasses
 import signal
 import sys
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import grain
 import numpy as np
@@ -332,6 +332,87 @@ def batch_and_prefetch(
   return it
 
 
+def reader_cache_units(block_units: int) -> int:
+  """How many units (files / row groups) a reader caches: the current shuffle block and the
+  next, so that a block's rows read from memory (module docstring)."""
+  return 2 * block_units + 1
+
+
+def build_pipeline(
+  index: DocumentIndex,
+  packer: Callable[..., grain.IterDataset],
+  *,
+  source: dict[str, Any],
+  seq_len: int,
+  packing: str,
+  batch_size: int,
+  seed: int,
+  shuffle: bool,
+  num_epochs: int | None,
+  shard_index: int | None,
+  shard_count: int | None,
+  worker_count: int,
+  block_units: int,
+  drop_remainder: bool,
+  pad_final_batch: bool,
+  max_batches: int | None,
+  read_threads: int,
+  worker_buffer_size: int,
+  encode: Callable[[Any], Any] | None = None,
+  holdout: str | None = None,
+  holdout_every: int = 20,
+) -> Pipeline:
+  """The chain every pipeline is built with: the documents of ``index`` in
+  :class:`DocumentOrder` (per-epoch shuffle, host shard, epochs, holdout) -> ``encode`` on each
+  record (None: the reader's records as they are) -> threaded reads -> rows packed by
+  ``packer(parent, seq_len, packing, guard=...)`` -> :func:`batch_and_prefetch`.
+
+  ``source``: what the pipeline reads (``files``, ``format``, ...), the head of
+  :attr:`Pipeline.config`.  ``shard_index``/``shard_count`` default to
+  jax.process_index()/process_count()."""
+  if shard_index is None or shard_count is None:
+    import jax  # lazy: only when a default is needed, data worker processes never import jax
+
+    shard_index = jax.process_index() if shard_index is None else shard_index
+    shard_count = jax.process_count() if shard_count is None else shard_count
+  order = DocumentOrder(
+    index,
+    shuffle=shuffle,
+    seed=seed,
+    block_units=block_units,
+    shard_index=shard_index,
+    shard_count=shard_count,
+    num_epochs=num_epochs,
+    holdout=holdout,
+    holdout_every=holdout_every,
+  )
+  ds = grain.MapDataset.source(order)
+  if encode is not None:
+    ds = ds.map(encode)
+  it = ds.to_iter_dataset(
+    grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(64, 16 * read_threads))
+  )
+  it = packer(it, seq_len, packing, guard=order.skip_guard())
+  it = batch_and_prefetch(
+    it, batch_size, drop_remainder, pad_final_batch, worker_count, worker_buffer_size, max_batches
+  )
+  config = dict(
+    **source,
+    reader=type(index.reader).__name__,
+    seq_len=seq_len,
+    batch_size=batch_size,
+    packing=packing,
+    seed=seed,
+    shuffle=shuffle,
+    num_epochs=num_epochs,
+    shard_index=shard_index,
+    shard_count=shard_count,
+    worker_count=worker_count,
+    holdout=holdout,
+  )
+  return Pipeline(it, index, order, config)
+
+
 def make_pipeline(
   files: str | Sequence[str],
   format: str | None = None,
@@ -368,11 +449,6 @@ def make_pipeline(
   order) is held out for eval iff ``d % holdout_every == holdout_every - 1``.
   ``shard_index``/``shard_count`` default to jax.process_index()/process_count().
   """
-  if shard_index is None or shard_count is None:
-    import jax  # only when needed: worker processes never import jax
-
-    shard_index = jax.process_index() if shard_index is None else shard_index
-    shard_count = jax.process_count() if shard_count is None else shard_count
   index = open_index(
     files,
     format,
@@ -382,43 +458,31 @@ def make_pipeline(
     record_format=record_format,
     tfds_split=tfds_split,
     tfds_data_dir=tfds_data_dir,
-    cache_units=2 * block_units + 1,
+    cache_units=reader_cache_units(block_units),
   )
-  order = DocumentOrder(
+  return build_pipeline(
     index,
-    shuffle=shuffle,
-    seed=seed,
-    block_units=block_units,
-    shard_index=shard_index,
-    shard_count=shard_count,
-    num_epochs=num_epochs,
-    holdout=holdout,
-    holdout_every=holdout_every,
-  )
-  ds = grain.MapDataset.source(order).map(encode_document)
-  it = ds.to_iter_dataset(
-    grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(64, 16 * read_threads))
-  )
-  it = PackIterDataset(it, seq_len, packing, guard=order.skip_guard())
-  it = batch_and_prefetch(
-    it, batch_size, drop_remainder, pad_final_batch, worker_count, worker_buffer_size, max_batches
-  )
-  config = dict(
-    files=files,
-    format=format,
-    reader=type(index.reader).__name__,
+    PackIterDataset,
+    source=dict(files=files, format=format),
+    encode=encode_document,
     seq_len=seq_len,
-    batch_size=batch_size,
     packing=packing,
+    batch_size=batch_size,
     seed=seed,
     shuffle=shuffle,
     num_epochs=num_epochs,
     shard_index=shard_index,
     shard_count=shard_count,
     worker_count=worker_count,
+    block_units=block_units,
     holdout=holdout,
+    holdout_every=holdout_every,
+    drop_remainder=drop_remainder,
+    pad_final_batch=pad_final_batch,
+    max_batches=max_batches,
+    read_threads=read_threads,
+    worker_buffer_size=worker_buffer_size,
   )
-  return Pipeline(it, index, order, config)
 
 
 def make_eval_pipeline(

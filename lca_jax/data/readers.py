@@ -44,7 +44,9 @@ def validate_text(value: Any) -> str | Skipped:
   return value
 
 
-def _read_bytes(path: str) -> bytes:
+def read_file_bytes(path: str) -> bytes:
+  """The whole content of the local file ``path``, gunzipped when the name ends in ``.gz``
+  (as every reader of this module reads jsonl and text files)."""
   with open(path, "rb") as f:
     data = f.read()
   return gzip.decompress(data) if path.endswith(".gz") else data
@@ -163,7 +165,7 @@ class _LineReader(Reader):
     raise NotImplementedError
 
   def scan(self, path):
-    spans = self._spans(_read_bytes(path))
+    spans = self._spans(read_file_bytes(path))
     if not hasattr(self, "_all_spans"):
       self._all_spans = {}
     self._all_spans[self.paths.index(path)] = spans
@@ -173,7 +175,7 @@ class _LineReader(Reader):
     start, end = (int(x) for x in self._all_spans[file_idx][row])
     path = self.paths[file_idx]
     if path.endswith(".gz"):
-      data = self._cached((file_idx, 0), lambda: _read_bytes(path))
+      data = self._cached((file_idx, 0), lambda: read_file_bytes(path))
       return None if data is None else data[start:end]
     try:  # plain file: positional read, no shared file offset, no fd kept open
       fd = os.open(path, os.O_RDONLY)

@@ -24,7 +24,7 @@ import numpy as np
 
 from lca_jax.data.errors import DataError, Skipped
 from lca_jax.data.packing import SkipGuard
-from lca_jax.data.pipeline import DocumentOrder, Pipeline
+from lca_jax.data.pipeline import Pipeline, build_pipeline, reader_cache_units
 from lca_jax.data.readers import JsonlReader
 from lca_jax.data.sft_format import (
   SFT_FORMATS,
@@ -217,52 +217,31 @@ def make_sft_pipeline(
     raise DataError(f"SFT packing must be one of {', '.join(SFT_PACKING)}, got {packing!r}")
   if sft_format == "qa":
     raise DataError("sft_format 'qa' is for evaluation prompts; train on CoQA rendered as chat")
-  if shard_index is None or shard_count is None:
-    import jax  # only when needed: worker processes never import jax
-
-    shard_index = jax.process_index() if shard_index is None else shard_index
-    shard_count = jax.process_count() if shard_count is None else shard_count
   paths = expand_files(files)
   check_first_example(paths, sft_format)
   reader = SftJsonlReader(
-    paths, sft_format, seq_len, on_bad_record, cache_units=2 * block_units + 1
+    paths, sft_format, seq_len, on_bad_record, cache_units=reader_cache_units(block_units)
   )
-  index = build_index(reader, on_bad_shard="error")
-  order = DocumentOrder(
-    index,
-    shuffle=shuffle,
-    seed=seed,
-    block_units=block_units,
-    shard_index=shard_index,
-    shard_count=shard_count,
-    num_epochs=num_epochs,
-  )
-  it = grain.MapDataset.source(order).to_iter_dataset(
-    grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(64, 16 * read_threads))
-  )
-  it = SftPackIterDataset(it, seq_len, packing, guard=order.skip_guard())
-  from lca_jax.data.pipeline import batch_and_prefetch
-
-  it = batch_and_prefetch(
-    it, batch_size, drop_remainder, pad_final_batch, worker_count, worker_buffer_size, max_batches
-  )
-  config = dict(
-    files=files,
-    format="jsonl",
-    sft_format=sft_format,
-    reader="SftJsonlReader",
+  return build_pipeline(
+    build_index(reader, on_bad_shard="error"),
+    SftPackIterDataset,
+    source=dict(files=files, format="jsonl", sft_format=sft_format),
     seq_len=seq_len,
-    batch_size=batch_size,
     packing=packing,
+    batch_size=batch_size,
     seed=seed,
     shuffle=shuffle,
     num_epochs=num_epochs,
     shard_index=shard_index,
     shard_count=shard_count,
     worker_count=worker_count,
-    holdout=None,
+    block_units=block_units,
+    drop_remainder=drop_remainder,
+    pad_final_batch=pad_final_batch,
+    max_batches=max_batches,
+    read_threads=read_threads,
+    worker_buffer_size=worker_buffer_size,
   )
-  return Pipeline(it, index, order, config)
 
 
 def make_sft_eval_pipeline(

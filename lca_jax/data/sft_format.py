@@ -55,7 +55,7 @@ import numpy as np
 
 from lca_jax import vocab
 from lca_jax.data.errors import DataError
-from lca_jax.data.readers import _read_bytes
+from lca_jax.data.readers import read_file_bytes
 from lca_jax.errors import LcaError
 
 SFT_FORMATS = ("chat", "translation", "summarization", "qa")
@@ -360,13 +360,13 @@ def encode_example(
 # ---- reading ------------------------------------------------------------------------------
 def line_number(path: str, byte_offset: int) -> int:
   """1-based line number of ``byte_offset`` in ``path`` (decompressed for .gz)."""
-  return _read_bytes(path)[:byte_offset].count(b"\n") + 1
+  return read_file_bytes(path)[:byte_offset].count(b"\n") + 1
 
 
 def read_jsonl(path: str):
   """Yields (line_number, object) for each non-blank line; a malformed line raises DataError
   naming the file and line."""
-  data = _read_bytes(path)
+  data = read_file_bytes(path)
   for i, line in enumerate(data.split(b"\n"), start=1):
     if not line.strip():
       continue

@@ -38,7 +38,7 @@ import numpy as np
 
 from lca_jax.data import sft_format
 from lca_jax.data.errors import DataError
-from lca_jax.data.readers import _read_bytes
+from lca_jax.data.readers import read_file_bytes
 from lca_jax.decode import engine
 from lca_jax.errors import LcaError
 from lca_jax.eval import ifeval, metrics
@@ -85,10 +85,10 @@ def _records(path: str):
     raise DataError(f"data file not found: {path}")
   if not os.path.isfile(path):
     raise DataError(f"data path is not a file: {path}")
-  head = _read_bytes(path).lstrip()[:1]
+  head = read_file_bytes(path).lstrip()[:1]
   if head == b"[" or (head == b"{" and not path.endswith((".jsonl", ".jsonl.gz"))):
     try:
-      doc = json.loads(_read_bytes(path))
+      doc = json.loads(read_file_bytes(path))
     except (UnicodeDecodeError, ValueError):
       doc = None
     if isinstance(doc, dict) and isinstance(doc.get("data"), list):
