@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from lca_jax.model import boundaries as bnd
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import ByteLM
-from lca_jax.model.layers import write_rows
+from lca_jax.model.layers import write_kv, write_rows
 
 
 @flax.struct.dataclass
@@ -29,10 +29,10 @@ class DecodeState:
   length: jax.Array  # [B] number of committed bytes
   b: jax.Array  # [B, L] hard boundary of each byte
   g: jax.Array  # [B, L] group id of each byte
-  enc: Tuple  # per-layer (k, v) [B, KV, L, E]
+  enc: Tuple  # per-layer (k [B, KV, L, E], v [B, KV, E, L])
   dec: Tuple
   mbp: Tuple
-  lm: Tuple  # per-layer (k, v) [B, KV, S, E]
+  lm: Tuple  # per-layer (k [B, KV, S, E], v [B, KV, E, S])
   z: jax.Array  # [B, S, D] LM outputs per slot (slot 0 = null group)
   s: jax.Array  # [B, S, D] pooled inputs per slot
   n_closed: jax.Array  # [B] closed groups
@@ -45,17 +45,33 @@ class DecodeState:
 
 
 def _kv(cfg: ModelConfig, n_layers, b, length, dtype):
-  shape = (b, cfg.n_kv_heads, length, cfg.head_dim)  # head-major: no per-step transpose
-  return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(n_layers))
+  """Per-layer (k [B, KV, L, E], v [B, KV, E, L]): the layouts in which a decode step reads
+  both without moving them (``layers.cached_attention``)."""
+  k = (b, cfg.n_kv_heads, length, cfg.head_dim)
+  v = (b, cfg.n_kv_heads, cfg.head_dim, length)
+  return tuple((jnp.zeros(k, dtype), jnp.zeros(v, dtype)) for _ in range(n_layers))
 
 
 def _apply(cfg, params, method, *args, **kw):
   return ByteLM(cfg).apply({"params": params}, *args, method=method, **kw)
 
 
-def _stack(cfg, params, which, x, pos, mask, caches, write_B):
-  out, new = _apply(cfg, params, ByteLM.stack_step, which, x, pos, mask, list(caches), write_B)
+def _stack(cfg, params, which, x, pos, mask, caches, write_B, window_B=None, defer=False):
+  out, new = _apply(
+    cfg, params, ByteLM.stack_step, which, x, pos, mask, list(caches), write_B, window_B, defer
+  )
   return out, tuple(new)
+
+
+def _write(caches, entries, write_B):
+  """Store per-layer entries returned by a deferred ``_stack`` (after a ``lax.cond``)."""
+  return tuple(write_kv(c, e, write_B) for c, e in zip(caches, entries))
+
+
+def _entries_like(cfg: ModelConfig, n_layers: int, b: int, t: int, dtype):
+  """Zero cache entries for T new slots (the branch of a ``lax.cond`` that computes none)."""
+  k, v = (b, cfg.n_kv_heads, t, cfg.head_dim), (b, cfg.n_kv_heads, cfg.head_dim, t)
+  return tuple((jnp.zeros(k, dtype), jnp.zeros(v, dtype)) for _ in range(n_layers))
 
 
 def _take(x_BK, idx_B):
@@ -194,12 +210,16 @@ def extend(
   n_slots = state.z.shape[1]
   slot_pos = state.n_closed[:, None] + 1 + j
   lm_mask = jnp.arange(n_slots)[None, None, :] <= slot_pos[:, :, None]
-  # the LM module runs only when some row closed a group (Eff-FxT); else its cache is unchanged
-  z_new, lm = jax.lax.cond(
+  # The LM module runs only when some row closed a group (Eff-FxT). Its cache is written after
+  # the cond (zeros when it did not run: slots past n_closed are garbage until a group closes).
+  z_new, lm_new = jax.lax.cond(
     jnp.any(closes),
-    lambda: _stack(cfg, params, "lm", new_s, slot_pos, lm_mask, state.lm, state.n_closed + 1),
-    lambda: (jnp.zeros_like(new_s), state.lm),
+    lambda: _stack(
+      cfg, params, "lm", new_s, slot_pos, lm_mask, state.lm, state.n_closed + 1, defer=True
+    ),
+    lambda: (jnp.zeros_like(new_s), _entries_like(cfg, cfg.n_lm, b, k, new_s.dtype)),
   )
+  lm = _write(state.lm, lm_new, state.n_closed + 1)
   z = write_rows(state.z, z_new, state.n_closed + 1)
   s = write_rows(state.s, new_s, state.n_closed + 1)
 
@@ -309,33 +329,24 @@ def _mbp_stack(cfg, params, state: DecodeState, m_BQD, grp_BQ, ord_BQ, key_g_BL,
   length_cap, q = key_g_BL.shape[1], grp_BQ.shape[1]
   length = state.length
   slot = jnp.arange(length_cap)[None, :]
-  full = lambda: _stack(
-    cfg,
-    params,
-    "mbp",
-    m_BQD,
-    ord_BQ,
-    _lca_cache_mask(key_g_BL, grp_BQ, ord_BQ, key_ord_BL),
-    state.mbp,
-    length,
+  run = lambda mask, window: _stack(
+    cfg, params, "mbp", m_BQD, ord_BQ, mask, state.mbp, length, window, defer=True
   )
+  full = lambda: run(_lca_cache_mask(key_g_BL, grp_BQ, ord_BQ, key_ord_BL), None)
   w = MBP_WINDOW
   if w >= length_cap or q >= w:  # short caches, prefill
-    return full()
-  # committed group ids are non-decreasing: the trailing bytes of groups >= first query's - 1
-  lo = length - jnp.sum((slot < length[:, None]) & (state.g >= grp_BQ[:, :1] - 1), axis=1)
-  start = jnp.clip(lo, 0, length_cap - w)
-  win = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, w))
-
-  def windowed():
-    mask = _lca_cache_mask(win(key_g_BL, start), grp_BQ, ord_BQ, win(key_ord_BL, start))
-    out, new = _apply(
-      cfg, params, ByteLM.stack_step, "mbp", m_BQD, ord_BQ, mask, list(state.mbp), length, start
+    out, entries = full()
+  else:
+    # committed group ids are non-decreasing: the trailing bytes of groups >= first query's - 1
+    lo = length - jnp.sum((slot < length[:, None]) & (state.g >= grp_BQ[:, :1] - 1), axis=1)
+    start = jnp.clip(lo, 0, length_cap - w)
+    win = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, w))
+    windowed = lambda: run(
+      _lca_cache_mask(win(key_g_BL, start), grp_BQ, ord_BQ, win(key_ord_BL, start)), start
     )
-    return out, tuple(new)
-
-  fits = jnp.all(length + q - lo <= w)
-  return jax.lax.cond(fits, windowed, full)
+    fits = jnp.all(length + q - lo <= w)
+    out, entries = jax.lax.cond(fits, windowed, full)
+  return out, _write(state.mbp, entries, length)
 
 
 def rollback(state: DecodeState, old: DecodeState, out: dict, a_B) -> DecodeState:

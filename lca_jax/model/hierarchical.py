@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lca_jax.kernels import lca_attention
 from lca_jax.model import boundaries as bnd
 from lca_jax.model import masks, pooling
 from lca_jax.model.attention import blockwise_attention
@@ -38,8 +39,6 @@ class MLPHead(nn.Module):
 
 
 def _pallas_kernel(group_BT, doc_BT):
-  from lca_jax.kernels import lca_attention  # pylint: disable=g-import-not-at-top
-
   interpret = jax.default_backend() == "cpu"
   return functools.partial(
     lca_attention, segment_ids=group_BT, doc_ids=doc_BT, impl="pallas", interpret=interpret
@@ -155,11 +154,20 @@ class ByteLM(nn.Module):
     h, _ = self.mbp(m_BTD, pos_BT, mask, kernel=kernel, deterministic=deterministic)
     return h
 
-  def stack_step(self, which: str, x_BTD, pos_BT, mask_BTS, caches, write_B, window_B=None):
+  def stack_step(
+    self, which: str, x_BTD, pos_BT, mask_BTS, caches, write_B, window_B=None, defer_write=False
+  ):
     """Run stack ``which`` ('encoder', 'lm', 'decoder', 'mbp') over a KV cache (decoding),
-    optionally attending only a window of it (see ``Attention``)."""
+    optionally attending only a window of it, optionally returning the new cache entries
+    instead of writing them (see ``Attention``)."""
     return getattr(self, which)(
-      x_BTD, pos_BT, mask_BTS, caches=caches, write_B=write_B, window_B=window_B
+      x_BTD,
+      pos_BT,
+      mask_BTS,
+      caches=caches,
+      write_B=write_B,
+      window_B=window_B,
+      defer_write=defer_write,
     )
 
   def mlp_head(self, i, h_BTD):

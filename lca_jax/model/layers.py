@@ -99,12 +99,52 @@ def masked_attention(q_BTHE, k, v, mask_BTS, *, head_major: bool = False):
 
 def write_rows(cache_BS, new_BT, start_B, axis: int = 0):
   """Write ``new`` into ``cache`` at a per-row start index along ``axis`` of each row (ragged
-  batches)."""
+  batches). Like ``dynamic_update_slice``, a start that would run past the end is clamped."""
 
   def one(c, n, s):
     return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=axis)
 
   return jax.vmap(one)(cache_BS, new_BT, start_B)
+
+
+def write_kv(cache, entries, write_B):
+  """Store new cache entries (k [B, K, T, E], v [B, K, E, T]) at slots ``write_B`` (clamped so
+  that they fit, as ``Attention`` assumes when it reads them)."""
+  k_c, v_c = cache
+  start = jnp.clip(write_B, 0, k_c.shape[2] - entries[0].shape[2])
+  return write_rows(k_c, entries[0], start, axis=1), write_rows(v_c, entries[1], start, axis=2)
+
+
+def cached_attention(q_BTHE, k_BKTE, v_BKET, cache, mask_BTS, start_B):
+  """Attention of T new queries over a KV cache (k [B, K, S, E], v transposed [B, K, E, S]) as
+  it will be once the T new keys (``k_BKTE``) and values (``v_BKET``) are written at slots
+  ``start_B`` (already clamped so that they fit): the S cache slots under ``mask_BTS``
+  [B, T, S], except the T slots being written, which are taken from the new keys instead.
+
+  Layouts chosen so that no step moves a cache: both products are matrix-vector products over
+  the cache in its stored order (q.K over [S, E] rows, P.V over [E, S] rows; with v stored
+  [S, E] XLA:CPU transposed the whole v cache every step), and the cache is read before the
+  write rather than after it, which leaves the write one consumer that XLA performs in place.
+  """
+  b, t, h, e = q_BTHE.shape
+  kv, s = cache[0].shape[1], cache[0].shape[2]
+  q = q_BTHE.reshape(b, t, kv, h // kv, e)
+  inv = 1.0 / jnp.sqrt(jnp.float32(e))
+  rel_BS = jnp.arange(s)[None, :] - start_B[:, None]  # slot - first written slot
+  fresh_BS = (rel_BS >= 0) & (rel_BS < t)
+  # mask columns of the written slots, i.e. the mask of each query against each new key
+  cols_BT = start_B[:, None] + jnp.arange(t)[None, :]
+  new_mask_BTT = jnp.take_along_axis(mask_BTS, jnp.minimum(cols_BT, s - 1)[:, None, :], axis=2)
+  old_mask_BTS = mask_BTS & ~fresh_BS[:, None, :]
+  sc_old = jnp.einsum("btkge,bkse->bkgts", q, cache[0], preferred_element_type=jnp.float32)
+  sc_new = jnp.einsum("btkge,bkne->bkgtn", q, k_BKTE, preferred_element_type=jnp.float32)
+  m_all = jnp.concatenate([old_mask_BTS, new_mask_BTT], axis=-1)[:, None, None]
+  sc = jnp.where(m_all, jnp.concatenate([sc_old, sc_new], axis=-1) * inv, NEG_INF)
+  probs = jnp.where(m_all, jax.nn.softmax(sc, axis=-1), 0.0)
+  p_old, p_new = probs[..., :s].astype(cache[1].dtype), probs[..., s:].astype(v_BKET.dtype)
+  out = jnp.einsum("bkgts,bkes->btkge", p_old, cache[1], preferred_element_type=jnp.float32)
+  out = out + jnp.einsum("bkgtn,bken->btkge", p_new, v_BKET, preferred_element_type=jnp.float32)
+  return out.reshape(b, t, h, e).astype(q_BTHE.dtype)
 
 
 class Attention(nn.Module):
@@ -127,15 +167,19 @@ class Attention(nn.Module):
     write_B=None,
     deterministic=True,
     window_B=None,
+    defer_write=False,
   ):
     """Self-attention, or attention over a KV cache.
 
     Without ``cache``: keys are this call's tokens; pass either ``mask_BTS`` or ``kernel``
     (a function (q, k, v) -> out that applies its own mask, e.g. the Pallas LCA kernel).
-    With ``cache`` = (k [B,K,S,E], v) (head-major): the new keys are written at ``write_B`` and queries attend
-    the whole cache under ``mask_BTS`` [B,T,S], or, with ``window_B``, only the W = mask width
-    slots starting there (the caller guarantees no allowed key lies outside). Returns (out, (k, v)) — the new keys/values
-    (no cache) or the updated cache.
+    With ``cache`` = (k [B,K,S,E], v [B,K,E,S]): the T new keys go to slots ``write_B`` and the
+    queries attend the whole cache under ``mask_BTS`` [B,T,S], or, with ``window_B``, only the
+    W = mask width slots starting there (the caller guarantees no allowed key lies outside).
+    Returns (out, (k, v)): the new keys/values (no cache), the updated cache, or with
+    ``defer_write`` the new entries (k [B,K,T,E], v [B,K,E,T]) for ``write_kv`` to store later
+    (a caller that runs the step under ``lax.cond`` writes after it: writes inside both branches
+    make XLA copy the caches).
     """
     b, t, d = x_BTD.shape
     h, kv, e = self.n_heads, self.n_kv_heads, self.head_dim
@@ -145,15 +189,25 @@ class Attention(nn.Module):
     q = rope(q, positions_BT, self.rope_base)
     k = rope(k, positions_BT, self.rope_base)
     if cache is not None:
-      k_all = write_rows(cache[0], k.transpose(0, 2, 1, 3), write_B, axis=1)
-      v_all = write_rows(cache[1], v.transpose(0, 2, 1, 3), write_B, axis=1)
-      k_att, v_att = k_all, v_all
+      k_h, v_h = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1)  # [B, K, T, E], [B, K, E, T]
+      s_len = cache[0].shape[2]
+      start = jnp.clip(write_B, 0, s_len - t)  # where write_rows puts them (clamped)
+      att, att_start = cache, start
       if window_B is not None:
         w = mask_BTS.shape[-1]
-        win = jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, w, axis=1))
-        k_att, v_att = win(k_all, window_B), win(v_all, window_B)
-      out = masked_attention(q, k_att, v_att, mask_BTS, head_major=True)
-      new_kv = (k_all, v_all)
+        win = lambda c, ax: jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, w, ax))(
+          c, window
+        )
+        window = jnp.clip(window_B, 0, s_len - w)
+        att, att_start = (win(cache[0], 1), win(cache[1], 2)), start - window
+      out = cached_attention(q, k_h, v_h, att, mask_BTS, att_start)
+      # The writes must come after the reads, or XLA:CPU copies each cache to write it (twice
+      # per step): a zero that depends on the attention output orders them (an optimization
+      # barrier does not survive XLA:CPU's pipeline). Exact unless the output is not finite.
+      tie = (out[:, :1, :1, :1] * 0).astype(k_h.dtype).transpose(0, 2, 1, 3)
+      new_kv = (k_h + tie, v_h + tie)
+      if not defer_write:
+        new_kv = write_kv(cache, new_kv, write_B)
     else:
       out = kernel(q, k, v) if kernel is not None else masked_attention(q, k, v, mask_BTS)
       new_kv = (k, v)
@@ -198,6 +252,7 @@ class Block(nn.Module):
     write_B=None,
     deterministic=True,
     window_B=None,
+    defer_write=False,
   ):
     attn = Attention(
       self.n_heads,
@@ -217,6 +272,7 @@ class Block(nn.Module):
       write_B=write_B,
       deterministic=deterministic,
       window_B=window_B,
+      defer_write=defer_write,
     )
     x = x + y
     y = SwiGLU(self.d_inner, self.dtype, name="mlp")(RMSNorm(self.eps, name="norm2")(x))
@@ -226,7 +282,8 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-  """``n_layers`` blocks. ``caches`` is a list of per-layer (k, v) or None."""
+  """``n_layers`` blocks. ``caches`` is a list of per-layer (k, v) or None (see ``Attention``
+  for what comes back per layer)."""
 
   n_layers: int
   n_heads: int
@@ -250,6 +307,7 @@ class Stack(nn.Module):
     write_B=None,
     deterministic=True,
     window_B=None,
+    defer_write=False,
   ):
     block_cls = nn.remat(Block, static_argnums=(4, 7)) if self.remat else Block
     new_caches = []
@@ -277,6 +335,7 @@ class Stack(nn.Module):
           write_B=write_B,
           deterministic=deterministic,
           window_B=window_B,
+          defer_write=defer_write,
         )
       new_caches.append(kv)
     return x, new_caches
