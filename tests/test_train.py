@@ -92,6 +92,15 @@ def test_exact_resume(tmp_path, straight):
   rec = Recorder()
   first = loop.train_and_evaluate(tiny_config(f"train.steps={N}"), wd, on_step=rec)
   assert first.step == N
+  # a work directory written before train.tensorboard / async_checkpointing / peak_tflops
+  # existed: its train_config.json lacks them and still resumes
+  path = os.path.join(wd, "train_config.json")
+  with open(path) as f:
+    saved = json.load(f)
+  for key in ("tensorboard", "async_checkpointing", "peak_tflops"):
+    del saved["config"]["train"][key]
+  with open(path, "w") as f:
+    json.dump(saved, f)
   second = loop.train_and_evaluate(tiny_config(f"train.steps={2 * N}"), wd, on_step=rec)
   assert second.step == 2 * N
   assert [s for s, _ in rec.batches] == list(range(2 * N))
@@ -263,3 +272,20 @@ def test_metrics_lines_after_resume_point_are_dropped(tmp_path):
   path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 25, 50, 75)))
   metrics.MetricsWriter(str(tmp_path), tensorboard=False, start_step=50).close()
   assert [json.loads(l)["step"] for l in open(path)] == [1, 25, 50]
+
+
+def test_prepare_reuses_compiled_steps_only_for_an_equal_compile_spec():
+  """Runs that differ only outside the compiled functions (length with a fixed decay horizon,
+  cadences, batch layout) share them; any input of the compiled functions makes new ones."""
+  one = jax.devices()[:1]
+  ref = loop.prepare(tiny_config("train.steps=10"), one)
+  same = loop.prepare(
+    tiny_config("train.steps=20", "train.log_every=7", "train.global_batch_bytes=256"), one
+  )
+  assert same.train_step is ref.train_step and same.eval_step is ref.eval_step
+  assert same.plan.rows == 8 and ref.plan.rows == 16  # the plan follows each config
+  for override in ("train.lambda_bp=2.0", "optim.clip_norm=1.0", "optim.decay_steps=0"):
+    other = loop.prepare(tiny_config("train.steps=10", override), one)
+    assert other.train_step is not ref.train_step, override
+  other = loop.prepare(tiny_config("train.steps=10"), jax.devices()[1:2])
+  assert other.train_step is not ref.train_step and other.mesh != ref.mesh

@@ -9,33 +9,41 @@ and batches as an uninterrupted run); a corrupt latest checkpoint is skipped for
 one (see train/checkpoint.py), and in a multi-process run SIGTERM on any process stops all of
 them at the same step. Metrics are fetched one step late so the host never waits on the step it
 just dispatched; a non-finite loss stops the run (``NonFiniteLossError``) and no checkpoint of
-that step or later is written. Batch layout and data pipelines come from train/inputs.py,
-the stop flag (SIGTERM, SIGINT, ``request_stop``) from train/stop.py; one run per work
-directory (a lock, train/workdir_lock.py).
+that step or later is written. What happens after each step (metrics, console, eval,
+checkpoints, the watchdog) is done by the hooks of train/hooks.py; batch layout and data
+pipelines come from train/inputs.py, the stop flag (SIGTERM, SIGINT, ``request_stop``) from
+train/stop.py; one run per work directory (a lock, train/workdir_lock.py).
+
+``prepare(config)`` builds a run's ``Setup``; its compiled parts are built from a
+``CompileSpec`` alone and shared by equal specs (so a resume or a test in the same process
+does not compile again).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import os
 import signal
-import time
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from lca_jax.model.config import ModelConfig
 from lca_jax.train import checkpoint as ckpt_lib
+from lca_jax.train import hooks as hooks_lib
 from lca_jax.train import inputs, optim, run_config, workdir_lock
 from lca_jax.train import metrics as met
 from lca_jax.train import sharding as shd
 from lca_jax.train import state as st
 from lca_jax.train import step as step_lib
 from lca_jax.train import stop as stop_lib
-from lca_jax.train.errors import NonFiniteLossError, TrainError
+from lca_jax.train.errors import TrainError
 from lca_jax.train.manifest import CorruptCheckpointError
 from lca_jax.train.stop import request_stop  # noqa: F401  (public API: loop.request_stop)
 
@@ -105,58 +113,76 @@ def model_config_of(config) -> ModelConfig:
   return ModelConfig.from_dict(config.model.to_dict())
 
 
-_SETUP_CACHE: dict = {}
+@dataclasses.dataclass(frozen=True)
+class CompileSpec:
+  """Everything the compiled parts of a ``Setup`` are built from, and nothing else:
+  ``_compile`` reads only this, so a Setup reused for an equal spec cannot be stale (a new
+  input of the compiled functions has to become a field here to reach them at all)."""
+
+  model: ModelConfig
+  optim: ml_collections.FrozenConfigDict  # config.optim
+  horizon: int  # warmup + cosine horizon, optim.decay_horizon(optim, train.steps)
+  lambdas: tuple  # (ntp, mbp, bp) loss weights
+  seed: int
+  mesh: jax.sharding.Mesh  # equal meshes: same devices in the same layout, same axes
+
+  @classmethod
+  def of(cls, config, mesh) -> "CompileSpec":
+    return cls(
+      model=model_config_of(config),
+      optim=ml_collections.FrozenConfigDict(config.optim),
+      horizon=optim.decay_horizon(config.optim, int(config.train.steps)),
+      lambdas=lambdas(config),
+      seed=int(config.train.seed),
+      mesh=mesh,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(spec: CompileSpec) -> dict:
+  """The optimizer, shardings and jitted steps of ``spec``, kept per process for the last few
+  specs, so a second run of the same model / optimizer / mesh (a resume, a test) does not
+  trace and compile again."""
+  # decay_horizon(optim, horizon) == horizon: the same schedule as from train.steps
+  tx, schedule = optim.make_optimizer(spec.optim, spec.horizon)
+  abstract, shardings = st.state_shardings(spec.model, tx, spec.mesh, spec.seed)
+  step_fn = step_lib.make_train_step(
+    spec.model, tx, schedule, spec.lambdas, grad_shardings=shardings.params
+  )
+  rep = shd.replicated(spec.mesh)
+  train_step = jax.jit(
+    step_fn,
+    in_shardings=(shardings, shd.batch_sharding(spec.mesh, True)),
+    out_shardings=(shardings, rep),
+    donate_argnums=(0,),
+  )
+  eval_step = jax.jit(
+    step_lib.make_eval_step(spec.model, spec.lambdas),
+    in_shardings=(shardings.params, shd.batch_sharding(spec.mesh, False)),
+    out_shardings=rep,
+  )
+  init_fn = st.make_init_fn(spec.model, tx, spec.seed, shardings)
+  return dict(
+    tx=tx,
+    schedule=schedule,
+    abstract=abstract,
+    shardings=shardings,
+    train_step=train_step,
+    eval_step=eval_step,
+    init_fn=init_fn,
+  )
 
 
 def prepare(config, devices: Optional[Sequence[Any]] = None) -> Setup:
   """Mesh, batch plan, optimizer, shardings and the jitted steps for ``config``.
 
-  Memoised per process on everything the compiled functions depend on, so a second run with
-  the same model / optimizer / mesh / batch layout (a resume, a test) does not recompile.
-  """
-  model_cfg = model_config_of(config)
+  The compiled parts are shared by every config with an equal ``CompileSpec`` (model,
+  optimizer, schedule horizon, loss weights, seed, mesh); the mesh and batch plan are
+  rebuilt from ``config`` on each call."""
   mesh = shd.make_mesh(config.mesh, devices)
   plan = inputs.plan_batches(config, mesh)
-  horizon = optim.decay_horizon(config.optim, int(config.train.steps))
-  key = (
-    model_cfg,
-    tuple(sorted(config.optim.to_dict().items())),
-    horizon,
-    lambdas(config),
-    int(config.train.seed),
-    tuple(d.id for d in mesh.devices.flat),
-    tuple(mesh.shape.items()),
-    plan,
-    jax.process_count(),
-  )
-  if key in _SETUP_CACHE:
-    return dataclasses.replace(_SETUP_CACHE[key], config=config)
-  tx, schedule = optim.make_optimizer(config.optim, int(config.train.steps))
-  seed = int(config.train.seed)
-  abstract, shardings = st.state_shardings(model_cfg, tx, mesh, seed)
-  step_fn = step_lib.make_train_step(
-    model_cfg, tx, schedule, lambdas(config), grad_shardings=shardings.params
-  )
-  rep = shd.replicated(mesh)
-  train_step = jax.jit(
-    step_fn,
-    in_shardings=(shardings, shd.batch_sharding(mesh, True)),
-    out_shardings=(shardings, rep),
-    donate_argnums=(0,),
-  )
-  eval_step = jax.jit(
-    step_lib.make_eval_step(model_cfg, lambdas(config)),
-    in_shardings=(shardings.params, shd.batch_sharding(mesh, False)),
-    out_shardings=rep,
-  )
-  init_fn = st.make_init_fn(model_cfg, tx, seed, shardings)
-  setup = Setup(
-    config, model_cfg, mesh, plan, tx, schedule, abstract, shardings, train_step, eval_step, init_fn
-  )
-  if len(_SETUP_CACHE) > 8:
-    _SETUP_CACHE.pop(next(iter(_SETUP_CACHE)))
-  _SETUP_CACHE[key] = setup
-  return setup
+  spec = CompileSpec.of(config, mesh)
+  return Setup(config=config, model_cfg=spec.model, mesh=mesh, plan=plan, **_compile(spec))
 
 
 def _shape_mismatches(want, got) -> list:
@@ -232,6 +258,99 @@ def evaluate(setup: Setup, params, config=None) -> Optional[dict]:
 
 
 # ---- the loop ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _stop_requests():
+  """A ``stop.Stop`` set by SIGTERM, SIGINT and ``request_stop`` while the block runs."""
+  stop = stop_lib.Stop()
+  try:
+    stop.install()
+    stop_lib.ACTIVE.append(stop)
+    yield stop
+  finally:
+    stop.uninstall()
+    if stop in stop_lib.ACTIVE:
+      stop_lib.ACTIVE.remove(stop)
+
+
+def _start_state(config, setup: Setup, ckpt, pipeline, latest: Optional[int]):
+  """(state, its origin for the console, step of the checkpoint restored or None): the
+  latest checkpoint (with the data position), else ``train.init_from``'s params, else a
+  fresh init."""
+  with shd.mesh_context(setup.mesh):
+    state, latest = (
+      ckpt.restore_latest(setup.abstract, pipeline) if latest is not None else (None, None)
+    )
+    if latest is not None:
+      return state, f"resumed from step {latest}", latest
+    if str(config.train.init_from or ""):
+      params = load_init_params(setup, str(config.train.init_from))
+      state = st.state_from_params(params, setup.tx, int(config.train.seed), setup.shardings)
+      return state, f"params from {config.train.init_from}", None
+    return setup.init_state(), "fresh start", None
+
+
+def _open_hooks(
+  config, setup: Setup, workdir, cleanup, *, ckpt, pipeline, stop, dog, start, origin, last_saved
+):
+  """The ``StepHooks`` of a run and its ``PeriodicEval`` (for the last results); their
+  metrics writer and progress bar are closed by ``cleanup``, and the run's first console line
+  is written."""
+  plan, model_cfg, total = setup.plan, setup.model_cfg, int(config.train.steps)
+  tensorboard = bool(config.train.tensorboard)
+  writer = cleanup.enter_context(
+    contextlib.closing(met.MetricsWriter(workdir, tensorboard, start_step=start))
+  )
+  progress = cleanup.enter_context(
+    contextlib.closing(met.Progress(total, start, bool(config.train.progress_bar)))
+  )
+  console = hooks_lib.Console(progress)
+  n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(setup.abstract.params))
+  console.write(
+    f"lca-train: {model_cfg.kind} model, {n_params / 1e6:.2f}M params, mesh "
+    f"{dict(setup.mesh.shape)}, {plan.rows} rows x {plan.seq_len} bytes per step "
+    f"({plan.accum} x {plan.micro}-row micro-batches), steps {start}->{total} ({origin})"
+  )
+  window = hooks_lib.MetricsWindow(
+    start=start,
+    total=total,
+    log_every=int(config.train.log_every),
+    bytes_per_step=plan.bytes_per_step,
+    flops=lambda bpl: met.train_flops_per_step(
+      model_cfg, setup.abstract.params, plan.rows, plan.seq_len, bpl
+    ),
+    n_devices=setup.mesh.devices.size,
+    peak_flops=met.peak_flops_per_device(override_tflops=float(config.train.peak_tflops)),
+    skipped_records=lambda: pipeline.stats.skipped_records,
+    sinks=[writer.write_train, console.train_line],
+  )
+  evals = hooks_lib.PeriodicEval(
+    every=int(config.train.eval_every),
+    total=total,
+    evaluate=lambda params: evaluate(setup, params, config),
+    sinks=[writer.write_eval, console.eval_line],
+  )
+  saves = hooks_lib.PeriodicCheckpoint(
+    ckpt,
+    every=int(config.train.checkpoint_every),
+    total=total,
+    data_state=pipeline.get_state,
+    meta=lambda n: {"model": model_cfg.to_dict(), "bytes_seen": n * plan.bytes_per_step},
+    last_saved=last_saved,
+  )
+  fetch = hooks_lib.LateFetch(
+    [hooks_lib.FiniteCheck(lambda: saves.last_saved), console.step_done, window]
+  )
+  step_hooks = hooks_lib.StepHooks(
+    fetch=fetch,
+    stop=stop,
+    actions=[evals, saves],
+    window=window,
+    watchdog=hooks_lib.WatchdogHook(dog),
+    console=console,
+  )
+  return step_hooks, evals
+
+
 def train_and_evaluate(
   config,
   workdir: str,
@@ -245,198 +364,66 @@ def train_and_evaluate(
   called with each host batch before it is trained on (step counts from 0). ``watchdog`` > 0:
   end the process (exit status 3) when no step, eval or checkpoint completes for that many
   seconds after the first step (a stuck process or collective; ``distributed.Watchdog``)."""
+  from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
+
   cfg_dict = config.to_dict()
   model_cfg = model_config_of(config)
   workdir = prepare_workdir(workdir)
-  # before anything in the workdir is read or written (the Checkpointer removes tmp dirs)
-  lock = workdir_lock.acquire(workdir, jax.process_index())
-  ckpt = writer = progress = pipeline = dog = None
-  stop = stop_lib.Stop()
-  try:
+  with contextlib.ExitStack() as cleanup:  # unwinds in reverse order: the workdir lock last
+    # before anything in the workdir is read or written (the Checkpointer removes tmp dirs)
+    cleanup.callback(workdir_lock.acquire(workdir, jax.process_index()).release)
     inputs.check_data_files(config)
     setup = prepare(config, devices)
-    plan, mesh = setup.plan, setup.mesh
-    total = int(config.train.steps)
-    log_every = max(1, int(config.train.log_every))
-    eval_every = int(config.train.eval_every)
-    ckpt_every = int(config.train.checkpoint_every)
-
-    ckpt = ckpt_lib.Checkpointer(
-      workdir,
-      keep=int(config.train.keep_checkpoints),
-      async_save=bool(inputs.cfg_get(config.train, "async_checkpointing", True)),
+    plan, mesh, total = setup.plan, setup.mesh, int(config.train.steps)
+    keep, async_save = int(config.train.keep_checkpoints), bool(config.train.async_checkpointing)
+    ckpt = cleanup.enter_context(
+      contextlib.closing(ckpt_lib.Checkpointer(workdir, keep=keep, async_save=async_save))
     )
-    from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
-
-    dog = distributed.Watchdog(float(watchdog or 0))
     # From here on SIGTERM (preemption, scancel, the launchers) and SIGINT (Ctrl-C) stop at
-    # the end of the first step that completes and checkpoint it.
-    stop.install()
-    stop_lib.ACTIVE.append(stop)
-    latest = ckpt.latest_step()
-    if latest is not None:
-      run_config.check_resume_config(workdir, cfg_dict)
-    run_config.write_run_config(workdir, cfg_dict, model_cfg)
-    pipeline = inputs.make_train_pipeline(config, plan)
-
-    with shd.mesh_context(mesh):
-      state, latest = (
-        ckpt.restore_latest(setup.abstract, pipeline) if latest is not None else (None, None)
-      )
+    # the end of the first step that completes and checkpoint it. At the end the watchdog is
+    # closed first, then the handlers removed, then the rest of ``cleanup`` closed.
+    with (
+      _stop_requests() as stop,
+      contextlib.closing(distributed.Watchdog(float(watchdog or 0))) as dog,
+    ):
+      latest = ckpt.latest_step()
       if latest is not None:
-        origin = f"resumed from step {latest}"
-      elif str(config.train.init_from or ""):
-        params = load_init_params(setup, str(config.train.init_from))
-        state = st.state_from_params(params, setup.tx, int(config.train.seed), setup.shardings)
-        origin = f"params from {config.train.init_from}"
-      else:
-        state = setup.init_state()
-        origin = "fresh start"
-    start = int(jax.device_get(state.step))
-
-    n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(setup.abstract.params))
-    flops_fn = lambda bpl: met.train_flops_per_step(
-      model_cfg, setup.abstract.params, plan.rows, plan.seq_len, bpl
-    )
-    peak = met.peak_flops_per_device(
-      override_tflops=float(inputs.cfg_get(config.train, "peak_tflops", 0.0))
-    )
-    n_dev = mesh.devices.size
-    writer = met.MetricsWriter(
-      workdir, bool(inputs.cfg_get(config.train, "tensorboard", True)), start_step=start
-    )
-    progress = met.Progress(total, start, bool(config.train.progress_bar))
-    progress.write(
-      f"lca-train: {model_cfg.kind} model, {n_params / 1e6:.2f}M params, mesh "
-      f"{dict(mesh.shape)}, {plan.rows} rows x {plan.seq_len} bytes per step "
-      f"({plan.accum} x {plan.micro}-row micro-batches), steps {start}->{total} ({origin})"
-    )
-
-    last_train, last_eval = {}, {}
-    window: list = []
-    t_mark, n_mark = time.perf_counter(), start
-    pending = None
-    last_saved = latest
-    dog_armed = saved_once = False
-
-    def process(item):
-      nonlocal t_mark, n_mark, window, last_train
-      n, m_dev = item
-      m = {k: float(v) for k, v in jax.device_get(m_dev).items()}
-      if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
-        raise NonFiniteLossError(
-          f"non-finite loss at step {n} (loss={m['loss']}, grad_norm={m['grad_norm']}); "
-          f"stopped without checkpointing it (last checkpoint: "
-          f"{'step ' + str(last_saved) if last_saved is not None else 'none'}). "
-          "Try a lower optim.lr, more optim.warmup_steps or float32 compute."
-        )
-      window.append(m)
-      progress.update(1)
-      if n == 1 or n % log_every == 0 or n == total:
-        now = time.perf_counter()
-        step_time = (now - t_mark) / max(n - n_mark, 1)
-        avg = {k: float(np.mean([w[k] for w in window if k in w])) for k in window[-1] if k != "lr"}
-        avg["lr"] = m["lr"]
-        avg["step_time"] = step_time
-        avg["bytes_per_s"] = plan.bytes_per_step / step_time
-        bpl = avg.get("bytes_per_latent")
-        avg["tflops_per_device"] = flops_fn(bpl) / step_time / n_dev / 1e12
-        avg["mfu"] = (flops_fn(bpl) / step_time / (n_dev * peak)) if peak else None
-        avg["skipped_records"] = pipeline.stats.skipped_records
-        writer.write_train(n, avg)
-        last_train = dict(avg, step=n)
-        post = {"loss": avg["loss"], "bpb": avg.get("bpb_ntp")}
-        if avg.get("bpb_mbp") is not None:
-          post["bpb2"] = avg["bpb_mbp"]
-        post["kB/s"] = avg["bytes_per_s"] / 1e3
-        progress.update(0, **post)
-        window = []
-        t_mark, n_mark = now, n
-
-    def reset_clock(n):
-      nonlocal t_mark, n_mark
-      t_mark, n_mark = time.perf_counter(), n
-
-    with shd.mesh_context(mesh):
-      for step in range(start, total):
-        host = next(pipeline)
-        if on_step is not None:
-          on_step(step, host)
-        state, m = setup.train_step(state, setup.device_batch(host))
-        if pending is not None:
-          process(pending)
-        n = step + 1
-        pending = (n, m)
-        stopping = stop.agreed()
-        do_eval = eval_every > 0 and (n % eval_every == 0 or n == total)
-        do_ckpt = (ckpt_every > 0 and n % ckpt_every == 0) or n == total or stopping
-        if do_eval or do_ckpt:
-          process(pending)
-          pending = None
-        if do_eval and not stopping:
-          if last_eval == {} and dog_armed:
-            dog.suspend(f"first eval @ {n} (compiling)")
-          res = evaluate(setup, state.params, config)
-          if res is not None:
-            writer.write_eval(n, res)
-            last_eval = dict(res, step=n)
-            progress.write(
-              f"eval @ {n}: bpb_ntp {res['bpb_ntp']:.4f}"
-              + (f", bpb_mbp {res['bpb_mbp']:.4f}" if "bpb_mbp" in res else "")
-            )
-          if dog_armed:
-            dog.arm(f"eval @ {n}")
-          reset_clock(n)
-        if do_ckpt and last_saved != n:
-          if not saved_once and dog_armed:
-            dog.suspend(f"first checkpoint {n}")
-          ckpt.save(
-            state,
-            pipeline.get_state(),
-            meta={"model": model_cfg.to_dict(), "bytes_seen": n * plan.bytes_per_step},
-          )
-          last_saved = n
-          if dog_armed:
-            dog.arm(f"checkpoint {n}")
-          saved_once = True
-          reset_clock(n)
-        if step == start:
-          dog.arm(f"step {n}")  # compiling the first step is not counted
-          dog_armed = True
-        else:
-          dog.beat(f"step {n}")
-        if stopping:
-          progress.write(
-            f"lca-train: stopping at step {n} ({stop.reason}); checkpoint saved, "
-            "run the same command to resume"
-          )
-          break
-      if pending is not None:
-        process(pending)
-    final = int(jax.device_get(state.step))
-    stopped = stop.flag and final < total
-    return TrainResult(
-      step=final,
-      stopped=stopped,
-      state=state,
-      last_train=last_train,
-      last_eval=last_eval,
-      workdir=workdir,
-      skipped=pipeline.stats.skipped,
-      interrupted=stopped and stop.signum == signal.SIGINT,
-    )
-  finally:
-    if dog is not None:
-      dog.close()
-    stop.uninstall()
-    if stop in stop_lib.ACTIVE:
-      stop_lib.ACTIVE.remove(stop)
-    if progress is not None:
-      progress.close()
-    if ckpt is not None:
-      ckpt.close()
-    if writer is not None:
-      writer.close()
-    if pipeline is not None:
-      pipeline.close()
-    lock.release()
+        run_config.check_resume_config(workdir, cfg_dict)
+      run_config.write_run_config(workdir, cfg_dict, model_cfg)
+      pipeline = cleanup.enter_context(contextlib.closing(inputs.make_train_pipeline(config, plan)))
+      state, origin, last_saved = _start_state(config, setup, ckpt, pipeline, latest)
+      start = int(jax.device_get(state.step))
+      hooks, evals = _open_hooks(
+        config,
+        setup,
+        workdir,
+        cleanup,
+        ckpt=ckpt,
+        pipeline=pipeline,
+        stop=stop,
+        dog=dog,
+        start=start,
+        origin=origin,
+        last_saved=last_saved,
+      )
+      with shd.mesh_context(mesh):
+        for step in range(start, total):
+          host = next(pipeline)
+          if on_step is not None:
+            on_step(step, host)
+          state, metrics = setup.train_step(state, setup.device_batch(host))
+          if hooks.after_step(step + 1, state, metrics):
+            break
+        hooks.flush()
+      final = int(jax.device_get(state.step))
+      stopped = stop.flag and final < total
+      return TrainResult(
+        step=final,
+        stopped=stopped,
+        state=state,
+        last_train=hooks.window.last,
+        last_eval=evals.last,
+        workdir=workdir,
+        skipped=pipeline.stats.skipped,
+        interrupted=stopped and stop.signum == signal.SIGINT,
+      )
