@@ -487,12 +487,73 @@ def generate(
   vocabulary). ``on_bytes(list of per-row id lists)`` is called after every step with the bytes
   it committed (streaming; one host callback per step, so only use it when you want to watch).
   """
+  if on_bytes is not None and not callable(on_bytes):
+    raise DecodeError(f"on_bytes must be callable, got {type(on_bytes).__name__}")
+  req = _request(
+    model,
+    prompts,
+    mode,
+    tau,
+    n,
+    max_bytes,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    ignore_eos,
+    drafter,
+    pad_to,
+    stream=on_bytes is not None,
+  )
+  exe, compile_s = _compiled(req.cfgs, req.plan, req.length, req.args)
+  _SINK[0] = on_bytes
+  try:
+    t0 = time.perf_counter()
+    res = jax.device_get(exe(*req.args))
+    elapsed = time.perf_counter() - t0
+  finally:
+    _SINK[0] = None
+  return _collect(res, req.enc, req.plan, elapsed, compile_s, req.requested)
+
+
+def compiled_decode(model, prompts, **kw):
+  """The compiled executable ``generate(model, prompts, **kw)`` runs (prefill + decode loop),
+  compiled if needed; ``.as_text()`` is its optimized HLO (see ``decode.hlo_stats``)."""
+  req = _request(model, prompts, **kw)
+  return _compiled(req.cfgs, req.plan, req.length, req.args)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+  cfgs: tuple
+  plan: Plan
+  length: int
+  args: tuple
+  enc: list
+  requested: int
+
+
+def _request(
+  model,
+  prompts,
+  mode="ntp",
+  tau=0.9,
+  n=3,
+  max_bytes=256,
+  temperature=0.0,
+  top_k=0,
+  top_p=1.0,
+  seed=0,
+  ignore_eos=False,
+  drafter=None,
+  pad_to=32,
+  stream=False,
+) -> _Request:
+  """Checked options, encoded prompts and the static plan + device arguments of one call."""
   opts = check_options(mode, tau, n, max_bytes, temperature, top_k, top_p, seed, pad_to)
   mode, tau, n, requested = opts["mode"], opts["tau"], opts["n"], opts["max_bytes"]
   temperature, top_k, top_p = opts["temperature"], opts["top_k"], opts["top_p"]
   seed, pad_to = opts["seed"], opts["pad_to"]
-  if on_bytes is not None and not callable(on_bytes):
-    raise DecodeError(f"on_bytes must be callable, got {type(on_bytes).__name__}")
   enc = _encode_prompts(prompts)
   _validate(model, mode, n, drafter, enc)
   cfg = model.cfg
@@ -510,7 +571,7 @@ def generate(
     bool(ignore_eos),
     max_bytes,
     source,
-    stream=on_bytes is not None,
+    stream=stream,
   )
   p_len = -(-longest // pad_to) * pad_to
   length = p_len + max_bytes + 2 * plan.width + 1  # room for a block + copies past the end
@@ -528,15 +589,7 @@ def generate(
     jnp.float32(tau),
     sp,
   )
-  exe, compile_s = _compiled((cfg, dcfg), plan, length, args)
-  _SINK[0] = on_bytes
-  try:
-    t0 = time.perf_counter()
-    res = jax.device_get(exe(*args))
-    elapsed = time.perf_counter() - t0
-  finally:
-    _SINK[0] = None
-  return _collect(res, enc, plan, elapsed, compile_s, requested)
+  return _Request((cfg, dcfg), plan, length, args, enc, requested)
 
 
 def _stop_reason(g: np.ndarray, plan: Plan, requested: int) -> str:

@@ -1,0 +1,111 @@
+"""What one decode step costs, read from the optimized HLO of the compiled decode loop.
+
+The engine compiles prefill + ``lax.while_loop``; the loop's body is one decode step. These
+functions parse ``compiled.as_text()`` (no run needed) and report, for that body and every
+computation it calls (conditional branches, nested loops; fusions count as one op each): the
+number of ops the runtime executes per step, how many are dots and fusions, and every ``copy``
+with its size. A copy of a cache-sized buffer in a decode step is a bug (the step should update
+its caches in place: see ``layers.cached_attention``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List
+
+import numpy as np
+
+# ops that cost nothing at run time (aliases, tuple plumbing, literals)
+FREE_OPS = frozenset({"parameter", "get-tuple-element", "tuple", "constant", "bitcast"})
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
+_HEADER = re.compile(r"^(?:ENTRY )?(%?[\w.\-]+) .*\{\s*$")
+_OP = re.compile(r"(?:^|\s)([a-z][\w\-]*)\(")  # first ``name(`` after the result type
+_SHAPE = re.compile(r"=\s*([a-z]+\d*)\[([\d,]*)\]")
+
+
+def computations(hlo_text: str) -> Dict[str, List[str]]:
+  """Computation name -> its instruction lines; the entry computation is also under 'ENTRY'."""
+  comps: Dict[str, List[str]] = {}
+  cur = None
+  for line in hlo_text.splitlines():
+    m = _HEADER.match(line)
+    if m and not line.startswith(" "):
+      cur = m.group(1)
+      comps[cur] = []
+      if line.startswith("ENTRY"):
+        comps["ENTRY"] = comps[cur]
+    elif cur is not None and line.startswith("  ") and "=" in line:
+      comps[cur].append(line.strip())
+  return comps
+
+
+def op_name(instr: str) -> str:
+  m = _OP.search(instr.split(" = ", 1)[-1])
+  return m.group(1) if m else ""
+
+
+def result_bytes(instr: str) -> int:
+  """Bytes of an instruction's (array) result; 0 for tuples."""
+  m = _SHAPE.search(instr)
+  if not m:
+    return 0
+  dims = [int(d) for d in m.group(2).split(",") if d]
+  itemsize = _DTYPE_BYTES.get(m.group(1), 8 if m.group(1).endswith("64") else 4)
+  return int(np.prod(dims, dtype=np.int64)) * itemsize if dims else itemsize
+
+
+def _called(instr: str) -> List[str]:
+  """Computations an instruction runs (not fusion bodies: a fusion is one op)."""
+  names = []
+  for key in ("body", "condition", "to_apply", "true_computation", "false_computation"):
+    m = re.search(rf"\b{key}=(%?[\w.\-]+)", instr)
+    if m:
+      names.append(m.group(1))
+  m = re.search(r"branch_computations=\{([^}]*)\}", instr)
+  if m:
+    names += [n.strip() for n in m.group(1).split(",") if n.strip()]
+  return names
+
+
+def decode_loop_body(hlo_text: str) -> str:
+  """Name of the body of the decode loop: the first while reached from the entry computation
+  (through calls; prefill loops live inside fusions or nested bodies, not before it)."""
+  comps = computations(hlo_text)
+  todo, seen = ["ENTRY"], set()
+  while todo:
+    name = todo.pop(0)
+    if name in seen:
+      continue
+    seen.add(name)
+    for instr in comps.get(name, []):
+      if op_name(instr) == "while":
+        return re.search(r"\bbody=(%?[\w.\-]+)", instr).group(1)
+      if op_name(instr) == "call":
+        todo += _called(instr)
+  raise ValueError("no while loop reachable from the entry computation")
+
+
+def step_stats(hlo_text: str, min_copy_bytes: int = 0) -> dict:
+  """Ops per decode step (the loop body and what it calls, once each), dots, fusions, and the
+  copies of at least ``min_copy_bytes`` bytes (shape string and bytes)."""
+  comps = computations(hlo_text)
+  seen, todo = set(), [decode_loop_body(hlo_text)]
+  ops, dots, fusions, copies = 0, 0, 0, []
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    for instr in comps[name]:
+      op = op_name(instr)
+      todo += _called(instr)
+      if op in FREE_OPS or not op:
+        continue
+      ops += 1
+      dots += op == "dot"
+      fusions += op == "fusion"
+      if op == "copy" and result_bytes(instr) >= min_copy_bytes:
+        copies.append(
+          {"shape": _SHAPE.search(instr).group(0)[1:].strip(), "bytes": result_bytes(instr)}
+        )
+  return {"ops": ops, "dots": dots, "fusions": fusions, "copies": copies}
