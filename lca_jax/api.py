@@ -10,11 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lca_jax.decode import engine
+from lca_jax.decode.engine import DecodeError
 from lca_jax.errors import LoadError
 from lca_jax.interop import upstream
 from lca_jax.interop.errors import CheckpointError
 from lca_jax.model.config import ModelConfig
-from lca_jax.model.hierarchical import ByteLM
+from lca_jax.model.hierarchical import ByteLM, init_params
 from lca_jax.train import checkpoint
 
 __all__ = ["LoadError", "Model", "load", "load_upstream"]
@@ -47,8 +49,6 @@ class Model:
     ``mlp_mbp_logits`` [.., k, T, V] or None and ``boundaries`` [.., T] int32 (1 = byte t
     closes its group; None for a flat model). Bad ids raise ``DecodeError`` (a ValueError).
     """
-    from lca_jax.decode.engine import DecodeError  # pylint: disable=g-import-not-at-top
-
     try:
       ids = np.asarray(ids)
     except (TypeError, ValueError):
@@ -82,8 +82,6 @@ class Model:
 
   def generate(self, prompts, **kw):
     """Decode continuations; see ``lca_jax.decode.engine.generate`` for the options."""
-    from lca_jax.decode import engine  # pylint: disable=g-import-not-at-top
-
     return engine.generate(self, prompts, **kw)
 
 
@@ -106,8 +104,6 @@ def load_upstream(path: str) -> Model:
 
 
 def _param_shapes(cfg: ModelConfig):
-  from lca_jax.model.hierarchical import init_params  # pylint: disable=g-import-not-at-top
-
   abstract = jax.eval_shape(lambda: nn.unbox(init_params(cfg, jax.random.PRNGKey(0))))
   return jax.tree_util.tree_map(lambda x: x.shape, abstract)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import sys
@@ -83,8 +84,6 @@ def split_overrides(rest):
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides) -> ml_collections.ConfigDict:
   """Apply ``a.b=value`` strings; an unknown key is an error naming it."""
-  import ast  # pylint: disable=g-import-not-at-top
-
   for item in overrides:
     if "=" not in item:
       raise ConfigFileError(f"override {item!r} is not of the form key=value")

@@ -18,6 +18,9 @@ import argparse
 import os
 import sys
 
+from lca_jax import configs_io
+from lca_jax.errors import LcaError
+
 
 def _fail(msg: str, code: int = 2) -> int:
   print(f"lca-convert: error: {msg}", file=sys.stderr, flush=True)
@@ -69,32 +72,20 @@ def main(argv=None) -> int:
     args, rest = _parser().parse_known_args(argv)
   except SystemExit as e:
     return int(e.code or 0)
-  config = None
-  try:
-    if rest and (args.cmd != "from-torch" or not args.config):
-      raise ValueError(f"unrecognized arguments: {' '.join(rest)}")
-    if args.cmd == "from-torch" and args.config:
-      from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
-      from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
+  if rest and (args.cmd != "from-torch" or not args.config):
+    return _fail(f"unrecognized arguments: {' '.join(rest)}")
+  # deferred: jax, orbax and the model take seconds to import, which --help and usage errors skip
+  from lca_jax.interop import convert  # pylint: disable=g-import-not-at-top
+  from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
 
+  config = None
+  if args.cmd == "from-torch" and args.config:
+    try:
       config = configs_io.load_config(args.config)
       configs_io.apply_overrides(config, configs_io.split_overrides(rest))
       run_config.validate_run_config(config)
-  except ValueError as e:  # ConfigFileError, ConfigError, RunConfigError are ValueErrors
-    return _fail(str(e))
-
-  from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top
-  from lca_jax.interop import convert  # pylint: disable=g-import-not-at-top
-  from lca_jax.interop.errors import CheckpointError  # pylint: disable=g-import-not-at-top
-  from lca_jax.model.config import ConfigError  # pylint: disable=g-import-not-at-top
-
-  errors = (convert.ConvertError, CheckpointError, LoadError, ConfigError, OSError)
-  if config is not None:
-    from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
-    from lca_jax.train import sharding  # pylint: disable=g-import-not-at-top
-    from lca_jax.train.errors import TrainError  # pylint: disable=g-import-not-at-top
-
-    errors += (DataError, TrainError, sharding.MeshError)
+    except ValueError as e:  # ConfigFileError, ConfigError, RunConfigError are ValueErrors
+      return _fail(str(e))
   try:
     if args.cmd == "to-torch":
       out = convert.to_torch(
@@ -115,7 +106,7 @@ def main(argv=None) -> int:
         else f"fine-tune with train.init_from={out}"
       )
       print(f"lca-convert: wrote work directory {out} (step 0; {how})", file=sys.stderr)
-  except errors as e:
+  except (LcaError, OSError) as e:  # every user-facing error of the package (lca_jax/errors.py)
     return _fail(str(e))
   except KeyboardInterrupt:
     print("lca-convert: interrupted", file=sys.stderr)

@@ -20,8 +20,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lca_jax import api, jsonio
 from lca_jax.cli.common import fail
+from lca_jax.data.errors import DataError
+from lca_jax.data.pipeline import make_eval_pipeline
+from lca_jax.data.readers import FORMATS
+from lca_jax.data.sft import make_sft_eval_pipeline
+from lca_jax.data.sft_format import SFT_FORMATS
+from lca_jax.decode import engine
 from lca_jax.errors import LcaError
+from lca_jax.eval import tasks
+from lca_jax.eval.bpb import evaluate_bpb
+from lca_jax.eval.sweep import check_out_dir, check_out_file, run_sweep, write_json
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -48,8 +58,6 @@ def _names(s: str):
 
 
 def _parser():
-  from lca_jax.eval.tasks import TASKS  # pylint: disable=g-import-not-at-top
-
   p = argparse.ArgumentParser(prog="lca-eval", description=__doc__.split("\n\n")[0])
   sub = p.add_subparsers(dest="command", required=True)
 
@@ -83,7 +91,7 @@ def _parser():
     "tasks", help="generate on a task, report quality, acceptance rate and bytes/s"
   )
   t.add_argument("--checkpoint", required=True)
-  t.add_argument("--task", required=True, help="|".join(TASKS))
+  t.add_argument("--task", required=True, help="|".join(tasks.TASKS))
   t.add_argument("--data", required=True, help="jsonl file")
   t.add_argument("--mode", default="ntp", help="ntp|threshold|verify|drafter")
   t.add_argument(
@@ -110,7 +118,7 @@ def _parser():
 
   s = sub.add_parser("sweep", help="checkpoints x modes x taus x ns; JSON table and plots")
   s.add_argument("--checkpoints", required=True, nargs="+")
-  s.add_argument("--task", required=True, help="|".join(TASKS))
+  s.add_argument("--task", required=True, help="|".join(tasks.TASKS))
   s.add_argument("--data", required=True)
   s.add_argument("--out", required=True, help="output directory")
   s.add_argument("--taus", type=_floats, default=[0.9])
@@ -127,9 +135,7 @@ def _parser():
 
 
 def _load(path, step=None):
-  import lca_jax  # pylint: disable=g-import-not-at-top
-
-  return lca_jax.load(path, step=step) if step is not None else lca_jax.load(path)
+  return api.load(path, step=step) if step is not None else api.load(path)
 
 
 def _at_least(name: str, value, low: int = 1):
@@ -138,8 +144,6 @@ def _at_least(name: str, value, low: int = 1):
 
 
 def _data_format(fmt):
-  from lca_jax.data.readers import FORMATS  # pylint: disable=g-import-not-at-top
-
   if fmt is None:
     return None
   fmt = {"arrayrecord": "array_record"}.get(fmt, fmt)
@@ -149,18 +153,12 @@ def _data_format(fmt):
 
 
 def _cmd_bpb(a) -> int:
-  from lca_jax import jsonio  # pylint: disable=g-import-not-at-top
-  from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
-  from lca_jax.eval.bpb import evaluate_bpb  # pylint: disable=g-import-not-at-top
-
   _at_least("--batch-size", a.batch_size)
   _at_least("--seq-len", a.seq_len)
   _at_least("--max-batches", a.max_batches)
   _at_least("--step", a.step, 0)
   fmt = _data_format(a.format)
   if a.sft_format:
-    from lca_jax.data.sft_format import SFT_FORMATS  # pylint: disable=g-import-not-at-top
-
     if a.sft_format not in SFT_FORMATS:
       fail(f"unknown --sft-format {a.sft_format!r}; choose one of {', '.join(SFT_FORMATS)}")
   model = _load(a.checkpoint, a.step)
@@ -170,15 +168,11 @@ def _cmd_bpb(a) -> int:
       f"--seq-len {seq_len} is longer than the model context (max_seq_len {model.cfg.max_seq_len})"
     )
   if a.sft_format:
-    from lca_jax.data.sft import make_sft_eval_pipeline  # pylint: disable=g-import-not-at-top
-
     packing = "segmented" if a.packing == "segmented" else "single"
     batches = make_sft_eval_pipeline(
       a.data, a.sft_format, seq_len, a.batch_size, max_batches=a.max_batches, packing=packing
     )
   else:
-    from lca_jax.data.pipeline import make_eval_pipeline  # pylint: disable=g-import-not-at-top
-
     batches = make_eval_pipeline(
       a.data,
       fmt,
@@ -224,8 +218,6 @@ def _cmd_bpb(a) -> int:
 
 def _check_gen_args(a, modes=None, taus=None, ns=None):
   """The generation arguments of tasks / sweep, checked before any checkpoint is loaded."""
-  from lca_jax.decode import engine  # pylint: disable=g-import-not-at-top
-
   _at_least("--batch-size", a.batch_size)
   _at_least("--limit", a.limit)
   _at_least("--max-bytes", a.max_bytes)
@@ -248,10 +240,6 @@ def _check_gen_args(a, modes=None, taus=None, ns=None):
 
 
 def _cmd_tasks(a) -> int:
-  from lca_jax import jsonio  # pylint: disable=g-import-not-at-top
-  from lca_jax.eval import tasks  # pylint: disable=g-import-not-at-top
-  from lca_jax.eval.sweep import check_out_file, write_json  # pylint: disable=g-import-not-at-top
-
   tasks.check_task(a.task)
   _check_gen_args(a)
   if a.out:
@@ -290,9 +278,6 @@ def _cmd_tasks(a) -> int:
 
 
 def _cmd_sweep(a) -> int:
-  from lca_jax.eval import tasks  # pylint: disable=g-import-not-at-top
-  from lca_jax.eval.sweep import check_out_dir, run_sweep  # pylint: disable=g-import-not-at-top
-
   tasks.check_task(a.task)
   check_out_dir(a.out)
   if not a.taus or not a.ns or not a.modes:
@@ -314,10 +299,8 @@ def _cmd_sweep(a) -> int:
     seed=a.seed,
     progress=not a.no_progress,
   )
-  from lca_jax.eval.tasks import summary_line  # pylint: disable=g-import-not-at-top
-
   for r in res["runs"]:
-    print(f"{r['label']}: {summary_line(r)}")
+    print(f"{r['label']}: {tasks.summary_line(r)}")
   for s in res["skipped"]:
     print(f"{s['label']}: skipped {s['mode']} n={s['n']}: {s['reason']}")
   print(f"wrote {a.out}/sweep.json and {len(res['plots'])} plots")

@@ -23,6 +23,7 @@ import os
 import sys
 from typing import List, Optional, Union
 
+from lca_jax import jsonio, vocab
 from lca_jax.cli.common import fail, run_main
 
 
@@ -84,8 +85,6 @@ def _read_prompts(args) -> List[Union[str, bytes]]:
 
 
 def _prompt_ids(prompt) -> list:
-  from lca_jax import vocab  # pylint: disable=g-import-not-at-top
-
   ids = vocab.encode(prompt) if isinstance(prompt, str) else vocab.encode_bytes(prompt)
   return ids.tolist()
 
@@ -114,8 +113,6 @@ def _stop_summary(res, max_bytes: int, prompts, context: int) -> str:
 
 def with_boundaries(ids, boundaries) -> str:
   """Text with '|' after every byte whose boundary is 1 (never splits a UTF-8 character)."""
-  from lca_jax import vocab  # pylint: disable=g-import-not-at-top
-
   out, buf = [], []
   for i, b in zip(ids, boundaries):
     buf.append(int(i))
@@ -130,8 +127,6 @@ class _Streamer:
   """Prints row 0's bytes as each decode step commits them, never splitting a character."""
 
   def __init__(self, out=sys.stdout):
-    from lca_jax import vocab  # pylint: disable=g-import-not-at-top
-
     self.dec, self.out = vocab.StreamDecoder(), out
 
   def __call__(self, rows):
@@ -151,8 +146,8 @@ _OPTIONS = ("n", "tau", "max_bytes", "temperature", "top_k", "top_p", "seed")
 
 
 def _main(args) -> int:
-  import lca_jax  # pylint: disable=g-import-not-at-top
-  from lca_jax import jsonio  # pylint: disable=g-import-not-at-top
+  # deferred: jax, flax and the model take seconds to import, which --help and usage errors skip
+  from lca_jax import api  # pylint: disable=g-import-not-at-top
   from lca_jax.decode import engine  # pylint: disable=g-import-not-at-top
 
   prompts = _read_prompts(args)
@@ -177,8 +172,8 @@ def _main(args) -> int:
     fail("--mode drafter needs --drafter DIR")
   if args.stream and (len(prompts) > 1 or args.json or args.show_boundaries):
     fail("--stream prints one prompt as text; drop --json/--show-boundaries or use --prompt")
-  model = lca_jax.load(args.checkpoint)
-  drafter = lca_jax.load(args.drafter) if args.mode == "drafter" else None
+  model = api.load(args.checkpoint)
+  drafter = api.load(args.drafter) if args.mode == "drafter" else None
   streamer = None
   if args.stream:
     streamer = _Streamer()

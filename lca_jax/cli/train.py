@@ -23,11 +23,10 @@ import argparse
 import os
 import sys
 
-
-def _want_distributed(flag: bool, coordinator: str = "") -> bool:
-  from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
-
-  return distributed.wanted(os.environ, flag=flag, coordinator=coordinator)
+from lca_jax import configs_io
+from lca_jax.errors import LoadError
+from lca_jax.model.config import ConfigError
+from lca_jax.train.errors import NonFiniteLossError, TrainError
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -35,16 +34,15 @@ def _fail(msg: str, code: int = 2) -> int:
   return code
 
 
-def _fail_multi(multi: bool, msg: str, code: int = 2) -> int:
-  """``_fail``; in a multi-process run the process then leaves at once if the others do not
-  shut down with it within a few seconds (an error seen by only some processes would
-  otherwise hold them in jax's shutdown barrier while the rest wait in a collective)."""
+def _fail_multi(exit_now, msg: str, code: int = 2) -> int:
+  """``_fail``; in a multi-process run (``exit_now``: ``distributed.exit_now``, None in a
+  single-process one) the process then leaves at once if the others do not shut down with it
+  within a few seconds (an error seen by only some processes would otherwise hold them in jax's
+  shutdown barrier while the rest wait in a collective)."""
   if msg:
     _fail(msg, code)
-  if multi:
-    from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
-
-    distributed.exit_now(code)
+  if exit_now is not None:
+    exit_now(code)
   return code
 
 
@@ -103,8 +101,8 @@ def main(argv=None) -> int:
   )
   args, rest = parser.parse_known_args(argv)
 
-  from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
-  from lca_jax.model.config import ConfigError  # pylint: disable=g-import-not-at-top
+  # deferred: jax, then (once the config is valid) flax, orbax, grain and the training loop take
+  # seconds to import, which --help and usage errors skip
   from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
 
   try:
@@ -116,12 +114,9 @@ def main(argv=None) -> int:
   except (ValueError, configs_io.ConfigFileError, ConfigError) as e:
     return _fail(str(e))
 
-  from lca_jax.api import LoadError  # pylint: disable=g-import-not-at-top
   from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
   from lca_jax.train import distributed, loop, sharding  # pylint: disable=g-import-not-at-top
-  from lca_jax.train.errors import NonFiniteLossError, TrainError  # pylint: disable=g-import-not-at-top
   from lca_jax.train.manifest import CorruptCheckpointError  # pylint: disable=g-import-not-at-top
-  from lca_jax.train.run_config import ConfigMismatchError  # pylint: disable=g-import-not-at-top
 
   try:
     watchdog = float(
@@ -129,7 +124,8 @@ def main(argv=None) -> int:
     )
   except ValueError:
     return _fail(f"LCA_WATCHDOG must be a number of seconds, got {os.environ['LCA_WATCHDOG']!r}")
-  multi = _want_distributed(args.distributed, args.coordinator)
+  multi = distributed.wanted(os.environ, flag=args.distributed, coordinator=args.coordinator)
+  exit_now = distributed.exit_now if multi else None
   if multi:
     try:
       dcfg = distributed.resolve(
@@ -148,20 +144,20 @@ def main(argv=None) -> int:
   try:
     result = loop.train_and_evaluate(config, args.workdir, watchdog=watchdog)
   except NonFiniteLossError as e:
-    return _fail_multi(multi, str(e), 1)
+    return _fail_multi(exit_now, str(e), 1)
   except (
     ConfigError,
     DataError,
     TrainError,
-    ConfigMismatchError,
+    run_config.ConfigMismatchError,
     CorruptCheckpointError,
     sharding.MeshError,
     LoadError,
   ) as e:
-    return _fail_multi(multi, str(e))
+    return _fail_multi(exit_now, str(e))
   except KeyboardInterrupt:
     print("lca-train: interrupted", file=sys.stderr)
-    return _fail_multi(multi, "", 130)
+    return _fail_multi(exit_now, "", 130)
   msg = f"lca-train: done at step {result.step}"
   if result.stopped:
     how = "interrupted" if result.interrupted else "stopped"

@@ -41,7 +41,9 @@ import threading
 from typing import Any, Callable, Sequence
 
 import grain
+import jax
 import numpy as np
+from absl import flags
 from grain.experimental import index_shuffle
 
 from lca_jax.data.errors import DataError
@@ -293,8 +295,6 @@ class Pipeline:
 def _ensure_absl_flags_parsed():
   """grain's multiprocess prefetch reads absl flags; outside an absl app (pytest, notebooks,
   plain scripts) they are unparsed and grain would raise UnparsedFlagAccessError."""
-  from absl import flags
-
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
 
@@ -371,8 +371,6 @@ def build_pipeline(
   :attr:`Pipeline.config`.  ``shard_index``/``shard_count`` default to
   jax.process_index()/process_count()."""
   if shard_index is None or shard_count is None:
-    import jax  # lazy: only when a default is needed, data worker processes never import jax
-
     shard_index = jax.process_index() if shard_index is None else shard_index
     shard_count = jax.process_count() if shard_count is None else shard_count
   order = DocumentOrder(

@@ -137,17 +137,21 @@ class Reader:
       return self._cache.get(key, guarded)
 
 
+def _pyarrow_parquet():
+  # lazy: pyarrow is optional (the data / train extras) and takes a second to import; only
+  # parquet pipelines (and their worker processes) load it
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+  return pq
+
+
 class ParquetReader(Reader):
   def _load(self, file_idx, group):
-    import pyarrow.parquet as pq
-
-    with pq.ParquetFile(self.paths[file_idx]) as pf:
+    with _pyarrow_parquet().ParquetFile(self.paths[file_idx]) as pf:
       return pf.read_row_group(group, columns=[self.text_key]).column(0).to_pylist()
 
   def scan(self, path):
-    import pyarrow.parquet as pq
-
-    with pq.ParquetFile(path) as pf:
+    with _pyarrow_parquet().ParquetFile(path) as pf:
       names, md = pf.schema_arrow.names, pf.metadata
     if self.text_key not in names:
       raise DataError(f"column {self.text_key!r} not found in {path} (columns: {names})")
@@ -286,7 +290,8 @@ class ArrayRecordReader(Reader):
 
   @staticmethod
   def _open(path):
-    from array_record.python import array_record_module
+    # lazy: array-record is optional (the data extra); only array_record pipelines load it
+    from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
 
     return array_record_module.ArrayRecordReader(path, "readahead_buffer_size:0")
 
@@ -315,8 +320,8 @@ class TfdsReader(Reader):
     super().__init__(paths, **kw)
 
   def _source(self):
-    try:
-      import tensorflow_datasets as tfds
+    try:  # lazy: tensorflow-datasets is optional (the data extra) and slow to import
+      import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
     except ImportError as e:  # pragma: no cover
       raise DataError("format='tfds' needs `pip install tensorflow-datasets`") from e
     spec = self.paths[0]

@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm import tqdm
 
+from lca_jax.model.hierarchical import ByteLM
 from lca_jax.model.loss import LN2, shifted_targets
 
 PERCENTILES = (10, 50, 90, 99)
@@ -27,8 +29,6 @@ PERCENTILES = (10, 50, 90, 99)
 @functools.lru_cache(maxsize=None)
 def _sums_fn(cfg):
   """One jitted forward + CE sums per model config (reused across calls and batches)."""
-  from lca_jax.model.hierarchical import ByteLM  # pylint: disable=g-import-not-at-top
-
   module = ByteLM(cfg)
   return jax.jit(lambda params, batch: _sums(module, params, batch))
 
@@ -145,8 +145,6 @@ def evaluate_bpb(
   t0 = time.perf_counter()
   it = batches
   if progress:
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-
     it = tqdm(batches, total=max_batches, desc="bpb", unit="batch")
   for i, batch in enumerate(it):
     if max_batches is not None and i >= max_batches:

@@ -18,6 +18,7 @@ def rouge(
 ) -> Dict[str, float]:
   """Mean ROUGE F-measures x 100 (rouge1, rouge2, rougeL, rougeLsum; Porter stemming as in
   the usual CNN/DailyMail setup; rougeLsum splits summaries at newlines)."""
+  # lazy: rouge-score is optional (the eval extra) and takes seconds to import
   from rouge_score import rouge_scorer  # pylint: disable=g-import-not-at-top
 
   _check_lengths(predictions, references)
@@ -33,6 +34,7 @@ def rouge(
 
 def bleu(predictions: Sequence[str], references: Sequence[str]) -> float:
   """Corpus BLEU (sacrebleu defaults: 13a tokenisation, exponential smoothing off)."""
+  # lazy: sacrebleu is optional (the eval extra)
   import sacrebleu  # pylint: disable=g-import-not-at-top
 
   _check_lengths(predictions, references)
@@ -41,6 +43,7 @@ def bleu(predictions: Sequence[str], references: Sequence[str]) -> float:
 
 def chrf(predictions: Sequence[str], references: Sequence[str]) -> float:
   """Corpus chrF (sacrebleu defaults: character 6-grams, beta 2)."""
+  # lazy: sacrebleu is optional (the eval extra)
   import sacrebleu  # pylint: disable=g-import-not-at-top
 
   _check_lengths(predictions, references)

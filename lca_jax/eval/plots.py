@@ -18,6 +18,7 @@ MARKERS = {"ntp": "o", "threshold": "*", "verify": "s", "drafter": "D"}
 
 
 def _plt():
+  # lazy: matplotlib is optional (the eval extra), and its backend must be chosen before pyplot
   import matplotlib  # pylint: disable=g-import-not-at-top
 
   matplotlib.use("Agg", force=True)

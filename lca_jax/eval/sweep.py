@@ -15,7 +15,11 @@ import platform
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from lca_jax import jsonio
+import jax
+from tqdm import tqdm
+
+from lca_jax import api, jsonio
+from lca_jax.decode.engine import DecodeError
 from lca_jax.eval import plots, tasks
 
 MODES = ("ntp", "threshold", "verify", "drafter")
@@ -37,8 +41,6 @@ def grid(modes: Sequence[str], taus: Sequence[float], ns: Sequence[int]) -> List
 
 
 def machine_info() -> Dict[str, Any]:
-  import jax  # pylint: disable=g-import-not-at-top
-
   dev = jax.devices()[0]
   return {
     "backend": jax.default_backend(),
@@ -111,13 +113,10 @@ def run_sweep(
   loader=None,
 ) -> Dict[str, Any]:
   """Run the grid and write ``sweep.json`` and the PNGs into ``out_dir``; returns the table."""
-  import lca_jax  # pylint: disable=g-import-not-at-top
-  from lca_jax.decode.engine import DecodeError  # pylint: disable=g-import-not-at-top
-
   tasks.check_task(task)
   check_out_dir(out_dir)
   combos = grid(modes, taus, ns)
-  load = loader or lca_jax.load
+  load = loader or api.load
   models = [load(p) for p in checkpoints]  # fail early on a bad path
   drafter_model = load(drafter) if drafter else None
   max_bytes = int(max_bytes or tasks.DEFAULT_MAX_BYTES[task])
@@ -130,8 +129,6 @@ def run_sweep(
   runs, skipped = [], []
   bar = None
   if progress:
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-
     bar = tqdm(total=len(models) * len(combos), desc=f"sweep {task}", unit="run")
   for path, label, model in zip(checkpoints, _labels(checkpoints), models):
     for mode, tau, n in combos:

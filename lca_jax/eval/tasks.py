@@ -35,6 +35,7 @@ import os
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from lca_jax.data import sft_format
 from lca_jax.data.errors import DataError
@@ -191,8 +192,6 @@ def run_task(
   compiles = 0
   it = batches
   if progress:
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-
     it = tqdm(batches, desc=f"{task}/{mode}", unit="batch", leave=False)
   for bi, idx in enumerate(it):
     real = len(idx)

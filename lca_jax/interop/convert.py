@@ -38,12 +38,20 @@ import os
 import shutil
 from typing import Any, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 
+from lca_jax import api
 from lca_jax.errors import LcaError
 from lca_jax.interop import upstream
 from lca_jax.interop.errors import CheckpointError
 from lca_jax.model.config import ConfigError, ModelConfig
+from lca_jax.train import checkpoint as ckpt_lib
+from lca_jax.train import run_config
+from lca_jax.train import sharding as shd
+from lca_jax.train import state as st
 
 VOCAB_MULTIPLE = 128
 
@@ -73,9 +81,6 @@ def _prepare_out(out: str, force: bool, src: Optional[str] = None, workdir: bool
         )
       _check_kind(out, workdir)
       if workdir:
-        from lca_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-        from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
-
         shutil.rmtree(os.path.join(out, ckpt_lib.CKPT_DIR), ignore_errors=True)
         for name in (run_config.CONFIG_FILE, upstream.EXTRAS_FILE):
           if os.path.exists(os.path.join(out, name)):
@@ -90,8 +95,6 @@ def _prepare_out(out: str, force: bool, src: Optional[str] = None, workdir: bool
 def _check_kind(out: str, workdir: bool):
   """--force never turns a work directory into an upstream one or back (lca_jax.load would
   then read the wrong one)."""
-  from lca_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-
   has_torch = os.path.exists(os.path.join(out, "model.safetensors"))
   if workdir and has_torch:
     raise ConvertError(
@@ -133,8 +136,6 @@ def to_torch(
   ``step``; upstream directory) or a loaded ``lca_jax.Model`` — to ``out`` (config.json +
   model.safetensors). Returns the absolute output path."""
   upstream.export_dtype(dtype)
-  from lca_jax import api  # pylint: disable=g-import-not-at-top
-
   if isinstance(src, api.Model):
     model = src
   else:
@@ -193,14 +194,6 @@ def write_workdir(
   """A fresh lca-train work directory holding ``params`` of ``cfg`` as step 0, in the format of
   ``lca_jax.train.checkpoint`` (items params / step / rng / meta; no optimizer or data state):
   ``lca_jax.load`` serves it, ``train.init_from`` fine-tunes from it. ``out`` must be empty."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-
-  from lca_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import state as st  # pylint: disable=g-import-not-at-top
-
   dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   arrays = jax.tree_util.tree_map(lambda a: jax.device_put(np.asarray(a, np.float32), dev), params)
   run_config.write_run_config(out, {"model": cfg.to_dict()}, cfg)
@@ -268,14 +261,9 @@ def write_resumable_workdir(
   saved by ``lca_jax.train.checkpoint.Checkpointer`` with ``config`` as the run config.
   ``devices``: the mesh's devices while writing (default all; the checkpoint restores onto
   any mesh)."""
-  from lca_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import (
-    inputs,  # pylint: disable=g-import-not-at-top
-    loop,  # pylint: disable=g-import-not-at-top
-    run_config,  # pylint: disable=g-import-not-at-top
-  )
-  from lca_jax.train import sharding as shd  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import state as st  # pylint: disable=g-import-not-at-top
+  # lazy: the training stack needs grain (the data / train extras); to_torch and the plain
+  # from_torch work without it
+  from lca_jax.train import inputs, loop  # pylint: disable=g-import-not-at-top
 
   model_cfg = loop.model_config_of(config)
   diffs = _model_diffs(cfg, model_cfg)
@@ -307,8 +295,6 @@ def write_resumable_workdir(
 
 
 def _shape_diffs(want, got) -> list:
-  import jax  # pylint: disable=g-import-not-at-top
-
   w = {
     jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(want)
   }

@@ -35,12 +35,16 @@ import json
 import os
 from typing import Dict, Optional, Tuple
 
+import flax.linen as nn
+import jax
 import ml_dtypes
 import numpy as np
+from jax.experimental import multihost_utils
 
 from lca_jax.interop.errors import CheckpointError
 from lca_jax.interop.safetensors_io import read_safetensors, write_safetensors
 from lca_jax.model.config import ConfigError, ModelConfig
+from lca_jax.model.hierarchical import init_params
 
 STAGES = ("encoder", "lm", "decoder", "mbp")
 ATTN = ("q_proj", "k_proj", "v_proj", "out_proj")
@@ -299,11 +303,6 @@ def param_shapes(cfg: ModelConfig):
 
 @functools.lru_cache(maxsize=32)
 def _param_shapes(cfg: ModelConfig):
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-
-  from lca_jax.model.hierarchical import init_params  # pylint: disable=g-import-not-at-top
-
   abstract = jax.eval_shape(lambda: nn.unbox(init_params(cfg, jax.random.PRNGKey(0), seq_len=8)))
   return jax.tree_util.tree_map(lambda x: tuple(x.shape), abstract)
 
@@ -394,11 +393,7 @@ def state_dict_to_params(
 
 def to_host(x) -> np.ndarray:
   """A numpy copy of a (possibly sharded, possibly multi-host) jax array or numpy array."""
-  import jax  # pylint: disable=g-import-not-at-top
-
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(jax.device_get(x))
 

@@ -37,6 +37,10 @@ import threading
 import time
 from typing import Mapping, Optional, Sequence
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
 from lca_jax.errors import LcaError
 
 DEFAULT_HEARTBEAT_TIMEOUT = 60  # seconds; jax's own default is 100
@@ -296,8 +300,6 @@ def initialize(cfg: DistConfig) -> None:
   address or a process 0 that never started is a ``DistributedError``. A process 0 whose peers
   never connect is ended by jax itself after ``cfg.init_timeout`` s ("DEADLINE_EXCEEDED ...
   RegisterTask", status 134)."""
-  import jax  # pylint: disable=g-import-not-at-top
-
   if cfg.process_id not in (None, 0) and cfg.coordinator:
     wait_for_coordinator(cfg.coordinator, cfg.init_timeout)
   kw = dict(
@@ -396,8 +398,6 @@ def exit_now(code: int, grace: float = 10.0) -> None:
   instead of waiting for it in a collective)."""
   sys.stdout.flush()
   sys.stderr.flush()
-  import jax  # pylint: disable=g-import-not-at-top
-
   t = threading.Thread(target=jax.distributed.shutdown, name="lca-shutdown", daemon=True)
   t.start()
   t.join(grace)
@@ -407,8 +407,6 @@ def exit_now(code: int, grace: float = 10.0) -> None:
 
 
 def local_process_info() -> str:
-  import jax  # pylint: disable=g-import-not-at-top
-
   return (
     f"process {jax.process_index()}/{jax.process_count()}, "
     f"{jax.local_device_count()} local of {jax.device_count()} devices"
@@ -417,22 +415,13 @@ def local_process_info() -> str:
 
 def all_agree(flag: bool) -> bool:
   """True on every process iff ``flag`` is True on every process (False when one says False)."""
-  import jax  # pylint: disable=g-import-not-at-top
-
   if jax.process_count() == 1:
     return bool(flag)
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
   return bool(np.all(multihost_utils.process_allgather(np.array([bool(flag)]))))
 
 
 def barrier(name: str) -> None:
-  import jax  # pylint: disable=g-import-not-at-top
-
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
     multihost_utils.sync_global_devices(name)
 
 

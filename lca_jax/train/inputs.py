@@ -18,6 +18,10 @@ from typing import Optional
 
 import jax
 
+from lca_jax.data import demo, sft, sources
+from lca_jax.data import pipeline as dp
+from lca_jax.data.errors import DataError
+from lca_jax.train import run_config
 from lca_jax.train import sharding as shd
 from lca_jax.train.errors import TrainError
 
@@ -78,8 +82,6 @@ def cfg_get(section, key, default):
 
 def demo_corpus_files() -> list:
   """The bundled demo corpus (lca_jax/data/corpus), split by ``lca_jax.data.DEMO_HOLDOUT_EVERY``."""
-  from lca_jax.data import demo  # pylint: disable=g-import-not-at-top
-
   path = demo.demo_corpus_path()
   if not os.path.isfile(path):
     raise TrainError(f"the bundled demo corpus is missing: {path}")
@@ -104,12 +106,12 @@ def data_sources(config) -> dict:
       "(jsonl files of examples); the bundled demo corpus is plain text"
     )
   if not train_files:
-    demo = demo_corpus_files()
-    out = dict(train=dict(files=demo, format="text", holdout="train"))
+    demo_files = demo_corpus_files()
+    out = dict(train=dict(files=demo_files, format="text", holdout="train"))
     out["eval"] = (
       dict(files=split(eval_files), format=fmt, holdout=None)
       if eval_files
-      else dict(files=demo, format="text", holdout="eval")
+      else dict(files=demo_files, format="text", holdout="eval")
     )
     return out
   train_src = split(train_files) if fmt != "tfds" else train_files
@@ -129,8 +131,6 @@ def _pipeline_kwargs(config, src):
     worker_count=int(config.data.worker_count),
   )
   if src["holdout"]:
-    from lca_jax.data import demo  # pylint: disable=g-import-not-at-top
-
     kw.update(holdout=src["holdout"], holdout_every=demo.DEMO_HOLDOUT_EVERY)
   if src["format"] == "tfds":
     kw["tfds_split"] = str(config.data.tfds_split)
@@ -142,8 +142,6 @@ def _sft_format(config) -> str:
 
 
 def _sft_kwargs(config):
-  from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
-
   packing = str(config.data.packing)
   # ``concat`` (cut documents into rows) has no meaning for prompt/target examples.
   return dict(
@@ -158,8 +156,6 @@ def make_train_pipeline(config, plan: BatchPlan):
   """This process's training batches ([host_rows, T] numpy dicts), checkpointable."""
   src = data_sources(config)["train"]
   if _sft_format(config):
-    from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
-
     return sft.make_sft_pipeline(
       src["files"],
       batch_size=plan.host_rows,
@@ -167,8 +163,6 @@ def make_train_pipeline(config, plan: BatchPlan):
       shuffle=True,
       **_sft_kwargs(config),
     )
-  from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
-
   return dp.make_pipeline(
     src["files"],
     batch_size=plan.host_rows,
@@ -185,8 +179,6 @@ def make_eval_pipeline(config, plan: BatchPlan):
     return None
   max_batches = int(config.train.eval_batches) or None
   if _sft_format(config):
-    from lca_jax.data import sft  # pylint: disable=g-import-not-at-top
-
     return sft.make_sft_eval_pipeline(
       src["files"],
       batch_size=plan.host_micro,
@@ -195,8 +187,6 @@ def make_eval_pipeline(config, plan: BatchPlan):
       shard_count=jax.process_count(),
       **_sft_kwargs(config),
     )
-  from lca_jax.data import pipeline as dp  # pylint: disable=g-import-not-at-top
-
   return dp.make_eval_pipeline(
     src["files"],
     batch_size=plan.host_micro,
@@ -209,10 +199,6 @@ def check_data_files(config) -> None:
   """Fail early (before compiling anything) on a config value no run can use
   (``run_config.validate_run_config``: unknown data.format / data.packing, negative
   train.steps, a learning rate that is not positive, ...) and when a data glob matches nothing."""
-  from lca_jax.data import sources  # pylint: disable=g-import-not-at-top
-  from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
-
   run_config.validate_run_config(config)
   for name, src in data_sources(config).items():
     if src is None or src["format"] == "tfds":

@@ -50,6 +50,7 @@ import sys
 from typing import Optional
 
 import jax
+from tqdm.auto import tqdm
 
 from lca_jax.model.config import ModelConfig
 
@@ -183,6 +184,7 @@ class MetricsWriter:
       _drop_after(path, start_step)
     if tensorboard:
       try:
+        # lazy: tensorboardX is optional (the train extra) and takes seconds to import
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
 
         self.tb = SummaryWriter(
@@ -233,8 +235,6 @@ class Progress:
   def __init__(self, total: int, initial: int, enabled: bool):
     self.bar = None
     if enabled and jax.process_index() == 0:
-      from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
-
       self.bar = tqdm(
         total=total,
         initial=initial,

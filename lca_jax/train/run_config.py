@@ -127,6 +127,8 @@ def validate_run_config(config, *, min_steps: int = 0) -> None:
   or a dict) that no run can use. Fields a config does not have are not checked.
   ``min_steps``: the least ``train.steps`` accepted (lca-train asks for 1: a run of 0 steps
   trains and saves nothing; the Python API allows 0 to get the initial state back)."""
+  # lazy: lca_jax.load imports this module (train.checkpoint) and must work without grain,
+  # which the lca_jax.data package imports (grain: the data / train extras)
   from lca_jax.data.sft_format import SFT_FORMATS  # pylint: disable=g-import-not-at-top
 
   bad = []

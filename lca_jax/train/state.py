@@ -16,6 +16,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+from flax.core import meta
 
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import init_params
@@ -33,8 +34,6 @@ class TrainState:
 def strip_boxes(tree):
   """Unbox flax ``Partitioned`` metadata without applying sharding constraints (safe on
   abstract trees and outside jit)."""
-  from flax.core import meta  # pylint: disable=g-import-not-at-top
-
   return jax.tree_util.tree_map(
     lambda x: x.value if isinstance(x, meta.AxisMetadata) else x,
     tree,

@@ -15,6 +15,7 @@ import threading
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -62,8 +63,6 @@ class Stop:
   def agreed(self) -> bool:
     if jax.process_count() == 1:
       return self.flag
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
     flags = np.asarray(multihost_utils.process_allgather(np.array([self.flag]))).reshape(-1)
     if flags.any() and not self.flag:
       who = ", ".join(str(i) for i in np.flatnonzero(flags))
