@@ -28,13 +28,31 @@ Fault tolerance:
     (In a multi-process run the manifest check is agreed by all processes; a failure inside
     orbax's restore on only some processes cannot be recovered from safely, so it is an error
     naming the step to move away.)
+  * A save that fails because of the storage (no space left, quota, read-only file system, any
+    OSError, also inside tensorstore or orbax's background threads) raises
+    ``CheckpointSaveError`` (a ``TrainError``: lca-train prints it in one line and exits 2)
+    naming the step, the problem and the last intact step. Before it is raised, the save's
+    writer threads are waited for and its tmp directory is removed; older steps are never
+    touched (orbax deletes steps beyond ``keep`` only after a successful commit). An
+    asynchronous save that fails in the background also stops the run at the end of the
+    current step (``stop.request_stop``), whose checkpoint call then raises the error; a
+    failure of the last save is raised by ``close``. orbax's and tensorstore's own reports of
+    the same failure (logged tracebacks, "Event loop is closed" from write callbacks that
+    arrive after orbax closed their event loop) are kept off stderr (``_quiet_storage_noise``).
 """
 
 from __future__ import annotations
 
+import errno
+import gc
 import json
+import logging
 import os
+import re
 import shutil
+import sys
+import threading
+import time
 import warnings
 from typing import Any, Optional
 
@@ -43,6 +61,7 @@ import orbax.checkpoint as ocp
 
 from lca_jax.errors import LoadError
 from lca_jax.model.config import ModelConfig
+from lca_jax.train.errors import TrainError
 from lca_jax.train.manifest import (
   MANIFEST,
   CorruptCheckpointError,
@@ -56,6 +75,126 @@ from lca_jax.train.run_config import CONFIG_FILE, read_run_config
 
 CKPT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
+TMP_MARK = ".orbax-checkpoint-tmp"  # orbax writes step N into N.orbax-checkpoint-tmp[-*]
+PROBE_MARK = ".lca-probe-"  # Checkpointer._probe's directories
+
+
+# ---- failed saves -------------------------------------------------------------------------
+class CheckpointSaveError(TrainError):
+  """A checkpoint could not be written (no space left, quota, read-only file system, ...).
+  The partial step was removed; the earlier steps are intact and a rerun resumes from the
+  latest of them."""
+
+
+# tensorstore reports a failed write as ValueError("... [os_error_code='28']"), a refusal of
+# the storage service (quota, permissions; no OS error behind it) by its status code
+_OS_CODE = re.compile(r"os_error_code='?(\d+)")
+_REFUSED = re.compile(r"^(RESOURCE_EXHAUSTED|PERMISSION_DENIED): ")
+
+
+def os_problem(exc: BaseException) -> Optional[tuple]:
+  """(errno or None, what the OS said) when ``exc``, or an exception it was raised from, is a
+  failed file operation: an OSError, or a tensorstore error carrying an OS error code. None
+  for anything else (a bug, not the storage)."""
+  todo, seen = [exc], set()
+  while todo:
+    e = todo.pop(0)
+    if e is None or id(e) in seen:
+      continue
+    seen.add(id(e))
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None and not isinstance(e, OSError):
+      m = _OS_CODE.search(str(e))
+      code = int(m.group(1)) if m else None
+    if code is not None:
+      what = os.strerror(code)
+      return code, what[:1].lower() + what[1:]
+    if isinstance(e, OSError) or _REFUSED.match(str(e)):  # e.g. a barrier's TimeoutError
+      return None, _short(e)
+    todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+  return None
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+# orbax's threads of one save (waited for after a failure, before its tmp directory is removed)
+_SAVE_THREADS = (
+  "array_type_handler",
+  "write_metadata_after_commits",
+  "async_save",
+  "asyncio_",
+  "(_target_setting_result)",
+)
+_SETTLE_S = 10.0  # at most this long waiting for them
+_LOGGED: list = []  # (time, errno, what) of the storage errors _StorageNoise kept off stderr
+_ORBAX = os.sep + "orbax" + os.sep
+
+
+def _orbax_frames(tb) -> bool:
+  while tb is not None:
+    if _ORBAX in tb.tb_frame.f_code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
+
+
+class _StorageNoise(logging.Filter):
+  """Drops orbax's error records of a failed file write (logged by its threads, or by asyncio
+  for its tasks and futures): the failure reaches the caller as one ``CheckpointSaveError``
+  instead of a traceback per thread and task. Records of other code pass."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    if record.levelno < logging.ERROR or exc is None:
+      return True
+    try:
+      ours = (
+        _ORBAX in record.pathname
+        or _orbax_frames(exc.__traceback__)
+        # a tensorstore write error (lca-jax writes tensorstore only through orbax), e.g. on a
+        # future nobody awaited any more: asyncio logs it, without a traceback
+        or (not isinstance(exc, OSError) and _OS_CODE.search(str(exc)) is not None)
+      )
+      if not ours:
+        return True
+      problem = os_problem(exc)
+      if problem is not None and problem[0] is not None and len(_LOGGED) < 100:
+        _LOGGED.append((time.monotonic(), *problem))
+      return problem is None
+    except Exception:  # noqa: BLE001 - never break logging (e.g. at interpreter shutdown)
+      return True
+
+
+def _closed_loop_callback(exc_type, exc, tb) -> bool:
+  """True for the RuntimeError("Event loop is closed") that tensorstore prints when a write
+  finishes after orbax gave up on its batch (the first failed write ends orbax's event loop;
+  the others' completion callbacks then find it closed): raised at the top of
+  ``loop.call_soon_threadsafe`` called from native code, so never a program's own error."""
+  if exc_type is not RuntimeError or str(exc) != "Event loop is closed" or tb is None:
+    return False
+  code = tb.tb_frame.f_code
+  return code.co_name == "call_soon_threadsafe" and "asyncio" in code.co_filename
+
+
+_quiet_installed = False
+
+
+def _quiet_storage_noise() -> None:
+  """Install (once) the filters that keep a failed save's duplicate reports off stderr."""
+  global _quiet_installed
+  if _quiet_installed:
+    return
+  _quiet_installed = True
+  noise = _StorageNoise()
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).addFilter(noise)
+  prev = sys.unraisablehook  # tensorstore reports a failing callback as "unraisable"
+
+  def unraisablehook(args):
+    if not _closed_loop_callback(args.exc_type, args.exc_value, args.exc_traceback):
+      prev(args)
+
+  sys.unraisablehook = unraisablehook
 
 
 class _IteratorSnapshot:
@@ -122,6 +261,16 @@ class Checkpointer:
     self.read_only = read_only
     self.async_save = bool(async_save and not read_only)
     self._unsealed: list = []  # steps saved whose manifest is not written yet
+    self._watcher: Optional[threading.Thread] = None  # waits for the asynchronous save
+    self._failure: Optional[BaseException] = None  # a failed save: raised by save / close
+    self._failure_raised = False
+    self._cleanup_lock = threading.Lock()
+    if not read_only:
+      _quiet_storage_noise()
+      if jax.process_index() == 0 and os.path.isdir(self.directory):
+        for name in os.listdir(self.directory):
+          if name.startswith(PROBE_MARK):  # left by a crash during a probe
+            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
     self.manager = ocp.CheckpointManager(
       self.directory, options=opts, item_handlers=_handlers(with_data=True)
     )
@@ -143,21 +292,166 @@ class Checkpointer:
     )
     if data_state is not None:
       items["data"] = _grain_save(data_state)
-    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
-    # manager.save waited for the previous save's commit: those steps are final now (and this
-    # one too when saving synchronously).
-    self._seal()
+    self._finish_pending()  # the previous (asynchronous) save
+    self._raise_failure()
+    started = (set(threading.enumerate()), time.monotonic())
+    try:
+      self._probe(step)
+      self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    except Exception as e:  # noqa: BLE001 - classified in _failed
+      self._failed(step, e, started)
+      self._raise_failure()
     self._unsealed.append(step)
-    if not self.async_save:
+    if self.async_save:
+      self._watch(step, started)
+    else:
       self._seal()
 
-  def _seal(self) -> None:
+  # ---- failed saves ----
+  def _watch(self, step: int, started: tuple) -> None:
+    """Wait for the asynchronous save of ``step`` on a daemon thread: when it fails, its
+    partial directory is removed at once and the run asked to stop at the end of the current
+    step (as SIGTERM does); that step's save call then raises the failure."""
+
+    def run():
+      try:
+        self.manager.wait_until_finished()
+      except Exception as e:  # noqa: BLE001 - classified in _failed
+        try:
+          self._failed(step, e, started)
+        except Exception as e2:  # noqa: BLE001 - never lose the failure
+          self._failure = self._failure or e2
+        from lca_jax.train import stop as stop_lib  # pylint: disable=g-import-not-at-top
+
+        stop_lib.request_stop(f"checkpoint save at step {step} failed")
+
+    self._watcher = threading.Thread(target=run, name=f"lca_checkpoint_{step}", daemon=True)
+    self._watcher.start()
+
+  def _finish_pending(self) -> None:
+    """Wait for the save in flight and seal the committed steps."""
+    if self._watcher is not None:
+      self._watcher.join()
+      self._watcher = None
+    self._seal()
+
+  def _raise_failure(self) -> None:
+    """Raise the failed save's error: the original the first time (a ``CheckpointSaveError``
+    or, for a bug, the exception itself), a ``CheckpointSaveError`` repeating it after that
+    (the Checkpointer saves nothing more once a save has failed)."""
+    if self._failure is None:
+      return
+    if self._failure_raised:
+      raise CheckpointSaveError(f"an earlier save failed: {_short(self._failure)}") from None
+    self._failure_raised = True
+    raise self._failure
+
+  def _probe(self, step: int) -> None:
+    """Fail before orbax starts when the step cannot be written at all (read-only, no space
+    left, no permission): a step directory orbax cannot create leaves its writer threads
+    waiting 300 s for a signal that never comes, the caller blocked meanwhile. Creates a
+    directory with a 4 KiB file where the step goes, then removes it (one left by a crash is
+    removed when the directory is opened again)."""
+    path = os.path.join(self.directory, f"{PROBE_MARK}{step}-{jax.process_index()}")
+    try:
+      os.makedirs(os.path.join(path, "d"), exist_ok=True)
+      with open(os.path.join(path, "d", "probe"), "wb") as f:
+        f.write(bytes(4096))
+    finally:
+      shutil.rmtree(path, ignore_errors=True)
+
+  def _failed(self, step: int, exc: BaseException, started: tuple) -> None:
+    """Record why the save of ``step`` failed, after waiting for its writer threads and
+    removing its partial directory; ``_raise_failure`` raises it (a ``CheckpointSaveError``
+    for a storage problem, else ``exc`` itself: a bug keeps its traceback). ``started``: the
+    threads alive and the time when the save began."""
+    before, t0 = started
+    with self._cleanup_lock:
+      self._settle(before)
+      gc.collect()  # ends the failed batch's coroutines now, not noisily at interpreter exit
+      self._remove_partial(step)
+      self._unsealed = [s for s in self._unsealed if s != step]
+      problem = os_problem(exc)
+      if problem is None:
+        self._failure = exc
+        return
+      code, what = problem
+      if code is None:  # e.g. a timeout waiting for a thread that failed: use what it said
+        code, what = next(((c, w) for t, c, w in _LOGGED if t >= t0), problem)
+      prev = self._committed_steps(exclude=step)
+      fix = (
+        "once space is freed"
+        if code in _NO_SPACE
+        else "once it is writable"
+        if code in _NOT_WRITABLE
+        else "once that is fixed"
+      )
+      if prev:
+        tail = (
+          f"the previous checkpoint at step {max(prev)} is intact (rerun the same command "
+          f"{fix} to resume from it)"
+        )
+      else:
+        tail = f"there is no earlier checkpoint (rerun the same command {fix})"
+      self._failure = CheckpointSaveError(
+        f"checkpoint save at step {step} failed: {what} ({self.directory}); {tail}"
+      )
+
+  @staticmethod
+  def _settle(before: set) -> None:
+    """Wait (bounded) for the threads orbax started for the failed save: they may still be
+    writing into its tmp directory (only the first failure ends orbax's wait)."""
+    deadline = time.monotonic() + _SETTLE_S
+    me = threading.current_thread()
+    for t in threading.enumerate():
+      if t in before or t is me or not any(n in t.name for n in _SAVE_THREADS):
+        continue
+      try:
+        t.join(max(0.0, deadline - time.monotonic()))
+      except Exception:  # noqa: BLE001 - orbax's threads re-raise their error on join
+        pass
+
+  def _remove_partial(self, step: int) -> None:
+    """Remove the tmp directory of ``step`` (process 0; the directory is shared)."""
+    if jax.process_index() != 0:
+      return
+    prefix = f"{step}{TMP_MARK}"
+    for attempt in range(5):
+      try:
+        left = [n for n in os.listdir(self.directory) if n.startswith(prefix)]
+      except OSError:
+        return
+      if not left and attempt:
+        return
+      for name in left:
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+      time.sleep(0.05 * (attempt + 1))  # a write still in flight may recreate it: check again
+
+  def _committed_steps(self, exclude: int) -> list:
+    try:
+      names = os.listdir(self.directory)
+    except OSError:
+      return []
+    return [
+      int(n)
+      for n in names
+      if n.isdigit() and int(n) != exclude and os.path.isdir(os.path.join(self.directory, n))
+    ]
+
+  def _seal(self, last: bool = False) -> None:
+    """Write the manifests of the committed steps. One that cannot be written (the disk may
+    be full right now) is tried again at the next save; at ``close`` (``last``) it is left
+    unverified with a warning, none when a failed save already reported the problem."""
+    left = []
     for step in self._unsealed:
       try:
         write_manifest(os.path.join(self.directory, str(step)), step)
       except OSError as e:  # the checkpoint itself is complete; it just stays unverified
-        warnings.warn(f"could not write {MANIFEST} of checkpoint step {step}: {e}")
-    self._unsealed = []
+        if not last:
+          left.append(step)
+        elif self._failure is None:
+          warnings.warn(f"could not write {MANIFEST} of checkpoint step {step}: {e}")
+    self._unsealed = left
 
   def restore(self, step: int, abstract_state, data_iterator=None):
     """The TrainState at ``step``, laid out as ``abstract_state``'s shardings; restores the data
@@ -179,13 +473,33 @@ class Checkpointer:
     )
 
   def wait(self):
-    self.manager.wait_until_finished()
-    self._seal()
+    """Wait for the save in flight and seal the committed steps; its failure raises."""
+    self._finish_pending()
+    self._raise_failure()
 
   def close(self):
-    self.manager.wait_until_finished()
-    self._seal()
-    self.manager.close()
+    """Wait for the save in flight and close the manager. A failed save not reported yet (the
+    last one of a run) raises its error after that; one already raised is not raised again
+    (close runs in ``finally`` blocks while that error propagates)."""
+    try:
+      self._finish_pending()
+      self._seal(last=True)
+    finally:
+      self._close_manager()
+    if self._failure is not None and not self._failure_raised:
+      self._raise_failure()
+
+  def _close_manager(self) -> None:
+    if self._failure is None:
+      self.manager.close()
+      return
+    # orbax re-raises the failed save's error once per calling thread: let it, then close
+    for _ in range(2):
+      try:
+        self.manager.close()
+        return
+      except Exception:  # noqa: BLE001 - the failure is reported as CheckpointSaveError
+        continue
 
   # ---- fault tolerance ----
   def set_aside(self, step: int) -> Optional[str]:

@@ -57,9 +57,16 @@ def write_manifest(step_dir: str, step: int) -> None:
     return  # deleted by max_to_keep meanwhile
   files = _files(step_dir)
   tmp = os.path.join(step_dir, MANIFEST + ".tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump({"step": int(step), "files": files}, f, indent=0, sort_keys=True)
-  os.replace(tmp, os.path.join(step_dir, MANIFEST))
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump({"step": int(step), "files": files}, f, indent=0, sort_keys=True)
+    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+  except OSError:  # e.g. no space left: no partial manifest stays behind (the step is intact)
+    try:
+      os.remove(tmp)
+    except OSError:
+      pass
+    raise
 
 
 def verify_step(step_dir: str) -> Optional[str]:
