@@ -3,7 +3,9 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest -q tests/test_tool_bench_decode.py
 
 Runs on random params of a tiny LCA-MBP model (the session's ``tiny_upstream_checkpoint``);
-two of the four modes, since every mode is one engine compile (seconds each on CPU).
+two of the four modes, since every mode is one engine compile (seconds each on CPU). A second
+run builds a random model from the shape flags (ntp only, two batch sizes); the model-source
+options are checked by parsing alone.
 """
 
 import json
@@ -29,6 +31,10 @@ TINY = [
   "2",
   "--modes",
   "ntp,threshold",
+  "--stream-mb",
+  "2",
+  "--stream-repeats",
+  "1",
 ]
 RESULT_KEYS = {
   "bytes_per_s",
@@ -37,13 +43,40 @@ RESULT_KEYS = {
   "acceptance_rate",
   "latent_steps_per_byte",
   "compile_s",
+  "ms_per_step",
+  "cache_len",
+  "read_bytes_per_step",
+  "read_param_bytes",
+  "read_kv_bytes",
+  "lm_fraction",
+  "bound_ms_per_step",
+  "ms_per_step_over_bound",
+  "step_hlo",
 }
+HLO_KEYS = {"ops", "dots", "fusions", "cache_copies", "cache_copy_bytes", "min_cache_bytes"}
+SHAPE = ["--d-model", "32", "--d-inner", "64", "--n-heads", "2", "--layers", "1,1,1,1"]
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _tool():
   return load_tool("bench_decode")
+
+
+def _check_row(row, key):
+  assert RESULT_KEYS <= set(row), key
+  assert row["bytes_per_s"] > 0 and row["steps"] > 0, key
+  assert row["ms_per_step"] > 0 and row["bound_ms_per_step"] > 0, key
+  assert row["read_bytes_per_step"] == pytest.approx(
+    row["read_param_bytes"] + row["read_kv_bytes"], abs=2
+  )
+  assert row["ms_per_step_over_bound"] == pytest.approx(
+    row["ms_per_step"] / row["bound_ms_per_step"], rel=0.02
+  )
+  assert 0 <= row["lm_fraction"] <= 1, key
+  assert HLO_KEYS <= set(row["step_hlo"]), key
+  hlo = row["step_hlo"]
+  assert hlo["ops"] > 0 and hlo["min_cache_bytes"] > 0 and hlo["cache_copies"] >= 0, key
 
 
 def test_bench_decode_tiny(tiny_upstream_checkpoint, capsys):
@@ -58,16 +91,80 @@ def test_bench_decode_tiny(tiny_upstream_checkpoint, capsys):
     "n",
     "results",
     "ratios",
+    "model",
+    "stream_gb_s",
+    "stream",
   } <= set(out)
+  assert out["stream_gb_s"] > 0 and out["model"]["params"] > 0
   res = out["results"]
   assert set(res) == {"ntp_b1", "threshold_b1", "naive_full_forward_b1"}
   for key in ("ntp_b1", "threshold_b1"):
-    assert RESULT_KEYS <= set(res[key]), key
-    assert res[key]["bytes_per_s"] > 0 and res[key]["steps"] > 0, key
+    _check_row(res[key], key)
   assert res["ntp_b1"]["acceptance_rate"] is None and res["ntp_b1"]["bytes_per_step"] == 1.0
   assert 0 <= res["threshold_b1"]["acceptance_rate"] <= 1
   assert res["naive_full_forward_b1"]["bytes_per_s"] > 0
   assert set(out["ratios"]) == {"ntp_b1_vs_naive", "threshold_b1_vs_ntp_b1"}
+
+
+def test_bench_decode_random_shape(capsys):
+  argv = SHAPE + TINY + ["--modes", "ntp", "--batch", "1,2", "--naive-bytes", "0"]
+  out = _tool().main(argv)
+  assert json.loads(capsys.readouterr().out) == out
+  assert out["checkpoint"] is None and out["model"]["source"].startswith("random")
+  assert (out["model"]["d_model"], out["model"]["n_heads"]) == (32, 2)
+  assert out["model"]["layers"] == dict(enc=1, lm=1, dec=1, mbp=1, mlp_mbp=0)
+  res = out["results"]
+  assert set(res) == {"ntp_b1", "ntp_b2"}  # --naive-bytes 0: no naive loop, no ratio against it
+  for key in res:
+    _check_row(res[key], key)
+  # two rows read at least twice the caches of one (the LM runs when either closes a group)
+  b1, b2 = res["ntp_b1"], res["ntp_b2"]
+  assert b1["cache_len"] == b2["cache_len"] and b2["lm_fraction"] >= b1["lm_fraction"]
+  assert b2["read_kv_bytes"] >= 2 * b1["read_kv_bytes"] - 2
+  assert out["ratios"] == {}
+
+
+def test_model_sources():
+  tool = _tool()
+  a = tool.parse_args(SHAPE + ["--n-kv-heads", "1"])
+  c = a.cfg
+  assert (c.d_model, c.d_inner, c.n_heads, c.n_kv_heads) == (32, 64, 2, 1)
+  assert (c.n_enc, c.n_lm, c.n_dec, c.n_mbp) == (1, 1, 1, 1)
+  assert (c.dtype, c.dropout, c.attention_impl) == ("float32", 0.0, "xla")
+  c = tool.parse_args(["--d-model", "128"]).cfg  # missing flags: the 11M shape
+  assert (c.d_model, c.d_inner, c.n_heads, c.n_kv_heads) == (128, 1024, 4, 4)
+  assert (c.n_enc, c.n_lm, c.n_dec, c.n_mbp) == (2, 4, 2, 2)
+  cfg_file = os.path.join(ROOT, "configs", "tiny_lca_mbp.py")
+  c = tool.parse_args(["--config", cfg_file, "--config.model.d_model=32", "--n-heads", "2"]).cfg
+  assert (c.d_model, c.n_heads, c.n_kv_heads, c.d_inner) == (32, 2, 2, 192)  # rest: the file's
+  c = tool.parse_args(["--config", cfg_file, "--config.model.n_lm", "3"]).cfg
+  assert c.n_lm == 3
+  assert tool.parse_args(["--checkpoint", "/some/dir"]).cfg is None
+
+
+@pytest.mark.parametrize(
+  "argv, needle",
+  [
+    ([], "give a model"),
+    (["--checkpoint", "/x", "--d-model", "32"], "--checkpoint"),
+    (["--config.model.d_model=32"], "need --config"),
+    (["--d-model", "32", "--layers", "1,1"], "--layers"),
+    (["--d-model", "30", "--n-heads", "4"], "divisible"),
+    (["--config", "/nonexistent.py"], "not found"),
+    (
+      ["--config", os.path.join(ROOT, "configs", "tiny_lca_mbp.py"), "--config.model.nope=1"],
+      "nope",
+    ),
+    (["--d-model", "32", "--bogus"], "--bogus"),
+    (["--d-model", "32", "--batch", "0"], "--batch"),
+    (["--d-model", "32", "--stream-mb", "0"], "--stream-mb"),
+  ],
+)
+def test_bad_model_source(argv, needle, capsys):
+  with pytest.raises(SystemExit) as e:
+    _tool().parse_args(argv)
+  assert e.value.code == 2
+  assert needle in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("modes", ["", "ntp,greedy"])

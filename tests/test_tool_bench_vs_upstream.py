@@ -1,9 +1,10 @@
-"""Smoke test of tools/bench_vs_upstream.py (lca-jax vs the paper's PyTorch training step).
+"""Smoke test of tools/bench_vs_upstream.py (lca-jax vs the paper's PyTorch code: training step
+and cached decoding).
 
     LCA_UPSTREAM_SRC=/tmp/upstream XLA_FLAGS=--xla_force_host_platform_device_count=8 \
         .venv/bin/python -m pytest -q tests/test_tool_bench_vs_upstream.py
 
-The throughput run needs a checkout of the paper's code (the folder holding
+The throughput runs need a checkout of the paper's code (the folder holding
 src/model/modern_fxt.py) named by LCA_UPSTREAM_SRC; without one it is skipped. The bad-input
 checks run always.
 """
@@ -31,6 +32,24 @@ TINY = [
   "--steps",
   "1",
   "--warmup",
+  "1",
+]
+
+
+DECODE_TINY = [
+  "--sizes",
+  "d32:64:2:1,1,1,1",
+  "--prompt-bytes",
+  "32",
+  "--new-bytes",
+  "8",
+  "--repeats",
+  "1",
+  "--stream-mb",
+  "2",
+  "--stream-repeats",
+  "1",
+  "--torch-threads",
   "1",
 ]
 
@@ -93,3 +112,86 @@ def test_bad_shapes(shapes, tmp_path, capsys):
   assert e.value.code == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and "--shapes" in err and "Traceback" not in err
+
+
+def test_decode_tiny():
+  out = _tool().main(["decode", "--upstream-src", _upstream_src()] + DECODE_TINY)
+  assert set(out) >= {"machine", "sizes", "stream_gb_s", "upstream_call", "lca_jax_call"}
+  assert out["stream_gb_s"] > 0 and out["prompt_bytes"] == 32
+  r = out["sizes"]["d32:64:2:1,1,1,1"]
+  assert r["params"]["match"], r["params"]
+  assert r["model"]["upstream_model_config"] == "[1, (1,), 1, 1]"
+  for side in ("upstream", "lca_jax"):
+    assert r[side]["bytes_per_s"] > 0 and r[side]["ms_per_step"] > 0, side
+    assert 0 < r[side]["bytes"] <= 8, side
+  ours = r["lca_jax"]
+  assert ours["bytes"] == 8 and ours["steps"] == 8  # ntp, ignore_eos: one byte per step
+  assert ours["compile_s"] > 0 and ours["bound_ms_per_step"] > 0
+  assert ours["ms_per_step_over_bound"] == pytest.approx(
+    ours["ms_per_step"] / ours["bound_ms_per_step"], rel=0.02
+  )
+  assert r["ratio"] == pytest.approx(ours["bytes_per_s"] / r["upstream"]["bytes_per_s"])
+
+
+def test_parse_sizes():
+  tool = _tool()
+  got = tool.parse_sizes("11m,d64:128:4:1,1,1,1,374m,d64:128:4:2:1,2,1,0")
+  assert [k for k, _ in got] == ["11m", "d64:128:4:1,1,1,1", "374m", "d64:128:4:2:1,2,1,0"]
+  assert got[1][1] == dict(d_model=64, d_inner=128, n_heads=4, n_kv_heads=0, layers="1,1,1,1")
+  assert got[2][1] is None  # configs/lca_mbp.py's own shape
+  c = tool.decode_model_config(got[2][1])
+  assert (c.d_model, c.d_inner, c.n_heads, c.n_enc, c.n_lm, c.n_dec, c.n_mbp) == (
+    1024,
+    4096,
+    8,
+    2,
+    16,
+    2,
+    2,
+  )
+  assert c.dtype == "float32"
+  c = tool.decode_model_config(got[0][1])
+  assert (c.d_model, c.d_inner, c.n_heads, c.n_lm) == (256, 1024, 4, 4)
+  c = tool.decode_model_config(got[3][1])
+  assert (c.n_heads, c.n_kv_heads, c.n_lm, c.n_mbp) == (4, 2, 2, 0)
+
+
+@pytest.mark.parametrize(
+  "argv, needle",
+  [
+    (["--sizes", "12m"], "--sizes"),
+    (["--sizes", "d64:128:4:1,1,1"], "--sizes"),
+    (["--sizes", "11m,11m"], "repeats"),
+    (["--sizes", "d64:128:3:1,1,1,1"], "divisible"),
+    (["--sizes", "11m", "--temperature", "1.0"], "--temperature"),
+    (["--sizes", "11m", "--temperature", "0"], "--temperature"),
+    (["--sizes", "11m", "--new-bytes", "0"], "--new-bytes"),
+    (["--sizes", "11m", "--prompt-bytes", "4000", "--new-bytes", "200"], "context"),
+    (["--sizes", "11m", "--torch-threads", "-1"], "--torch-threads"),
+  ],
+)
+def test_bad_decode_input(argv, needle, tmp_path, capsys):
+  fake = tmp_path / "src" / "model"
+  fake.mkdir(parents=True)
+  (fake / "modern_fxt.py").write_text("")  # passes the layout check; the rest is checked next
+  with pytest.raises(SystemExit) as e:
+    _tool().main(["decode", "--upstream-src", str(tmp_path)] + argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+  "argv, needle",
+  [
+    (["decode"], "--upstream-src"),
+    (["decode", "--upstream-src", "/nonexistent/upstream"], "no such directory"),
+    (["decode", "--upstream-src", ROOT], "not the paper's code"),
+  ],
+)
+def test_bad_decode_upstream_src(argv, needle, capsys):
+  with pytest.raises(SystemExit) as e:
+    _tool().main(argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err

@@ -1,13 +1,33 @@
-"""Decode throughput on one checkpoint, all numbers from one run on this machine (JSON).
+"""Decode throughput of one model, all numbers from one run on this machine (JSON).
 
     python tools/bench_decode.py --checkpoint workdirs/demo [--prompt-bytes 256] [--new-bytes 512]
-        [--batch 1,8] [--tau 0.9] [--n 3] [--naive-bytes 64] [--modes ntp,threshold]
+        [--batch 1,8,32] [--tau 0.9] [--n 3] [--naive-bytes 64] [--modes ntp,threshold]
+    python tools/bench_decode.py --d-model 1024 --d-inner 4096 --n-heads 8 --layers 2,16,2,2
+    python tools/bench_decode.py --config configs/lca_mbp.py --config.model.dtype=float32
 
-Measures bytes/s after warm-up (compilation excluded and reported separately) for the cached
-engine in ntp, threshold and verify modes at each batch size (plus threshold with tau 0, which
-accepts all n bytes per step: the engine's ceiling once the MBP head is confident), and a
-naive loop that reruns the full forward over the whole (fixed-size, so compiled once) sequence
-for every byte, as the paper's code does. Ratios are against the naive loop and against cached ntp.
+The model is a checkpoint (``--checkpoint DIR``: an lca-train work directory or the paper's
+layout) or random weights (``init_params``, ``--seed``) of a shape: a config file (``--config
+FILE`` with ``--config.model.key=value`` overrides) and / or the shape flags ``--d-model
+--d-inner --n-heads --n-kv-heads --layers ENC,LM,DEC,MBP`` (without ``--config`` they apply to
+configs/lca_mbp.py in float32, as tools/bench_vs_upstream.py builds its models; missing flags
+take the 11M shape d 256 / inner 1024 / 4 heads / 2,4,2,2).
+
+Measures, after warm-up (compilation excluded and reported separately), the cached engine in
+ntp, threshold and verify modes at each batch size (plus threshold with tau 0, which accepts
+all n bytes per step: the engine's ceiling once the MBP head is confident): bytes/s (all rows
+together), ms per step (the call's time / steps, prefill included), bytes per step per row,
+acceptance, and from the optimized HLO of the compiled decode loop the ops of one step
+(``decode.hlo_stats.step_stats``: ops, dots, fusions, and the copies of at least the smallest
+KV-cache buffer, count and bytes; there should be none). And the weight-streaming bound
+(``lca_jax.decode.bounds``, formula in its docstring): the matvec streaming bandwidth of this
+machine (``stream_gb_s``, measured once), per mode and batch the bytes one step must read
+(parameters it uses: embedding rows, encoder, boundary predictor, decoder, head every step, the
+latent LM in the measured fraction of steps that close a group, the MBP stack / MLP heads in
+threshold and verify; plus the KV caches its attention reads), ``bound_ms_per_step`` = bytes /
+bandwidth and ``ms_per_step_over_bound`` = measured / bound. Last, a naive loop that reruns the
+full forward over the whole (fixed-size, so compiled once) sequence for every byte, as the
+paper's code does. Ratios are against the naive loop and against cached ntp. Bad input: an
+argparse error (exit status 2).
 """
 
 from __future__ import annotations
@@ -26,8 +46,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-import lca_jax  # pylint: disable=g-import-not-at-top
-from lca_jax import vocab  # pylint: disable=g-import-not-at-top
+import lca_jax  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax import configs_io, vocab  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.api import Model  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.decode import bounds, engine, hlo_stats  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.model.config import ConfigError, ModelConfig  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.model.hierarchical import init_params  # noqa: E402  pylint: disable=g-import-not-at-top
+
+BASE_CONFIG = os.path.join(ROOT, "configs", "lca_mbp.py")
+# the shape flags' defaults without --config (the 11M model of tools/bench_vs_upstream.py)
+SHAPE_DEFAULTS = dict(d_model=256, d_inner=1024, n_heads=4, n_kv_heads=0, layers="2,4,2,2")
+# what tools/bench_vs_upstream.py sets besides the shape (float32, plain XLA attention, LCA-MBP)
+FLAG_BASE = (
+  "model.kind=hierarchical",
+  "model.boundaries=learned",
+  "model.n_mlp_mbp=0",
+  "model.max_latent_ratio=0.0",
+  "model.dropout=0.0",
+  "model.dtype=float32",
+  "model.attention_impl=xla",
+)
 
 
 def prompt_ids(n_bytes: int, seed: int = 0):
@@ -57,12 +95,129 @@ def naive_bytes_per_s(model, prompt, n_new, total_len):
 MODES = ("ntp", "threshold", "verify", "threshold_tau0")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--checkpoint", required=True)
+# ---- the model --------------------------------------------------------------------------------
+def parse_layers(s: str):
+  """'2,4,2,2' -> (enc, lm, dec, mbp); ValueError naming --layers otherwise."""
+  try:
+    layers = tuple(int(x) for x in str(s).split(","))
+  except ValueError:
+    layers = ()
+  if len(layers) != 4 or min(layers[:3], default=0) < 1 or layers[3] < 0:
+    raise ValueError(f"--layers: {s!r} is not ENC,LM,DEC,MBP (e.g. 2,4,2,2; ENC, LM, DEC >= 1)")
+  return layers
+
+
+def shape_overrides(d_model=None, d_inner=None, n_heads=None, n_kv_heads=None, layers=None):
+  """``model.key=value`` overrides for the given shape values (None = not given; n_kv_heads 0
+  = n_heads)."""
+  out = []
+  for key, v in (("d_model", d_model), ("d_inner", d_inner), ("n_heads", n_heads)):
+    if v is not None:
+      if int(v) < 1:
+        raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {v}")
+      out.append(f"model.{key}={int(v)}")
+  kv = int(n_kv_heads or 0)
+  if kv < 0:
+    raise ValueError(f"--n-kv-heads must be >= 0 (0 = --n-heads), got {kv}")
+  if kv or n_heads is not None:  # a new head count brings its kv heads (the config's may not fit)
+    out.append(f"model.n_kv_heads={kv or int(n_heads)}")
+  if layers is not None:
+    names = ("n_enc", "n_lm", "n_dec", "n_mbp")
+    out += [f"model.{k}={v}" for k, v in zip(names, parse_layers(layers))]
+  return out
+
+
+def model_config(config_path=None, overrides=(), **shape) -> ModelConfig:
+  """The ModelConfig of ``config_path`` (default configs/lca_mbp.py in float32 with the
+  SHAPE_DEFAULTS for missing shape values) with ``overrides`` (``model.key=value``) and the
+  shape flags applied. ConfigError / ConfigFileError / ValueError on bad input."""
+  if config_path is None:
+    shape = {k: (SHAPE_DEFAULTS[k] if shape.get(k) is None else shape[k]) for k in SHAPE_DEFAULTS}
+    base = list(FLAG_BASE)
+  else:
+    base = []
+  config = configs_io.load_config(config_path or BASE_CONFIG)
+  ov = base + list(overrides) + shape_overrides(**shape)
+  configs_io.apply_overrides(config, ov)
+  return ModelConfig.from_dict(config.model.to_dict())
+
+
+def random_model(cfg: ModelConfig, seed: int = 0) -> Model:
+  """A Model of random weights (the model's own init) of ``cfg``."""
+  params = jax.tree_util.tree_map(np.asarray, init_params(cfg, jax.random.PRNGKey(seed)))
+  return Model(cfg, params, source=f"random(seed={seed})")
+
+
+def n_params(model) -> int:
+  return int(sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(model.params)))
+
+
+def model_info(model) -> dict:
+  c = model.cfg
+  return dict(
+    source=model.source,
+    kind=c.kind,
+    d_model=c.d_model,
+    d_inner=c.d_inner,
+    n_heads=c.n_heads,
+    n_kv_heads=c.n_kv_heads,
+    layers=dict(enc=c.n_enc, lm=c.n_lm, dec=c.n_dec, mbp=c.n_mbp, mlp_mbp=c.n_mlp_mbp),
+    dtype=c.dtype,
+    max_seq_len=c.max_seq_len,
+    params=n_params(model),
+  )
+
+
+# ---- one measurement --------------------------------------------------------------------------
+def step_bound(model, mode, bsz, width, length, res, stream_bps) -> dict:
+  """Bytes one step must read and the streaming bound for a measured result ``res``."""
+  bps_row = sum(len(x) for x in res.ids) / bsz / max(res.steps, 1)
+  read = bounds.step_read_bytes(
+    model.cfg, mode, bsz, width, length, res.latent_steps_per_byte, bps_row
+  )
+  ms = res.elapsed_s / max(res.steps, 1) * 1e3
+  bound = bounds.bound_ms(read["total"], stream_bps)
+  return dict(
+    ms_per_step=round(ms, 4),
+    cache_len=length,
+    read_bytes_per_step=int(read["total"]),
+    read_param_bytes=int(read["params"]),
+    read_kv_bytes=int(read["kv"]),
+    lm_fraction=round(read["lm_fraction"], 4),
+    bound_ms_per_step=round(bound, 5),
+    ms_per_step_over_bound=round(ms / bound, 2) if bound > 0 else None,
+  )
+
+
+def hlo_step(model, prompts, kw, length) -> dict:
+  """Ops of one compiled decode step (the loop body) and its cache-sized copies."""
+  text = engine.compiled_decode(model, prompts, **kw).as_text()
+  min_copy = bounds.min_cache_bytes(model.cfg, len(prompts), length)
+  st = hlo_stats.step_stats(text, min_copy)
+  return dict(
+    ops=st["ops"],
+    dots=st["dots"],
+    fusions=st["fusions"],
+    cache_copies=len(st["copies"]),
+    cache_copy_bytes=int(sum(c["bytes"] for c in st["copies"])),
+    min_cache_bytes=int(min_copy),
+  )
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  src = ap.add_argument_group("model (one of --checkpoint, or a random model of a shape)")
+  src.add_argument("--checkpoint", default=None, help="lca-train workdir or the paper's layout")
+  src.add_argument("--config", default=None, metavar="FILE", help="config file (random weights)")
+  src.add_argument("--d-model", type=int, default=None)
+  src.add_argument("--d-inner", type=int, default=None)
+  src.add_argument("--n-heads", type=int, default=None)
+  src.add_argument("--n-kv-heads", type=int, default=None, help="0 = --n-heads")
+  src.add_argument("--layers", default=None, help="ENC,LM,DEC,MBP layer counts")
+  src.add_argument("--seed", type=int, default=0, help="random init seed")
   ap.add_argument("--prompt-bytes", type=int, default=256)
   ap.add_argument("--new-bytes", type=int, default=512)
-  ap.add_argument("--batch", default="1,8")
+  ap.add_argument("--batch", default="1,8,32")
   ap.add_argument("--tau", type=float, default=0.9)
   ap.add_argument("--n", type=int, default=3)
   ap.add_argument("--naive-bytes", type=int, default=64, help="bytes timed for the naive loop")
@@ -73,29 +228,75 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="comma-separated subset of %(default)s (those without a multi-byte head "
     "are skipped for a model that has none)",
   )
-  a = ap.parse_args(argv)
+  ap.add_argument("--stream-mb", type=float, default=128.0, help="W of the bandwidth matvec, MB")
+  ap.add_argument("--stream-repeats", type=int, default=5)
+  a, rest = ap.parse_known_args(argv)
   a.modes = [m for m in a.modes.split(",") if m]
   if not a.modes or set(a.modes) - set(MODES):
     ap.error(f"--modes: choose among {','.join(MODES)}, got {','.join(a.modes) or 'none'}")
+  try:
+    a.batch = [int(x) for x in a.batch.split(",") if x.strip()]
+  except ValueError:
+    a.batch = []
+  if not a.batch or min(a.batch) < 1:
+    ap.error(f"--batch: give comma-separated batch sizes >= 1 (e.g. 1,8,32), got {a.batch!r}")
+  for name in ("prompt_bytes", "new_bytes", "repeats", "stream_repeats"):
+    if getattr(a, name) < 1:
+      ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+  if a.naive_bytes < 0:
+    ap.error(f"--naive-bytes must be >= 0 (0 = skip the naive loop), got {a.naive_bytes}")
+  if not a.stream_mb > 0:
+    ap.error(f"--stream-mb must be > 0, got {a.stream_mb}")
+  shape = dict(
+    d_model=a.d_model,
+    d_inner=a.d_inner,
+    n_heads=a.n_heads,
+    n_kv_heads=a.n_kv_heads,
+    layers=a.layers,
+  )
+  given = any(v is not None for v in shape.values())
+  try:
+    overrides = configs_io.split_overrides(rest)
+  except configs_io.ConfigFileError as e:
+    ap.error(str(e))
+  if a.checkpoint is not None and (a.config or given or overrides):
+    ap.error("--checkpoint takes the model as it is: no --config, overrides or shape flags")
+  if overrides and not a.config:
+    ap.error("--config.KEY=VALUE overrides need --config FILE")
+  if a.checkpoint is None and not a.config and not given:
+    ap.error("give a model: --checkpoint DIR, --config FILE or the shape flags (--d-model ...)")
+  a.cfg = None
+  if a.checkpoint is None:
+    try:
+      a.cfg = model_config(a.config, overrides, **shape)
+    except (ConfigError, configs_io.ConfigFileError, ValueError) as e:
+      ap.error(str(e))
   return a
 
 
 def main(argv=None):
   a = parse_args(argv)
-  model = lca_jax.load(a.checkpoint)
+  if a.cfg is None:
+    model = lca_jax.load(a.checkpoint)
+  else:
+    model = random_model(a.cfg, a.seed)
   # threshold_tau0 accepts every candidate (n bytes per step whatever the model): the engine's
   # ceiling for this n, i.e. what threshold mode delivers once the MBP head is confident
   modes = [m for m in MODES if m in a.modes and (m == "ntp" or model.cfg.has_mbp)]
+  stream = bounds.stream_bandwidth(a.stream_mb, a.stream_repeats)
   out = {
     "checkpoint": a.checkpoint,
+    "model": model_info(model),
     "device": str(jax.devices()[0]),
     "prompt_bytes": a.prompt_bytes,
     "new_bytes": a.new_bytes,
     "tau": a.tau,
     "n": a.n,
+    "stream_gb_s": round(stream["gb_s"], 2),
+    "stream": {k: v for k, v in stream.items() if k not in ("gb_s", "bytes_per_s")},
     "results": {},
   }
-  for bsz in [int(x) for x in a.batch.split(",")]:
+  for bsz in a.batch:
     prompts = [prompt_ids(a.prompt_bytes, seed=i) for i in range(bsz)]
     for mode in modes:
       kw = dict(
@@ -108,7 +309,11 @@ def main(argv=None):
       model.generate(prompts, **kw)  # warm-up (compiles)
       runs = [model.generate(prompts, **kw) for _ in range(a.repeats)]
       best = max(runs, key=lambda r: r.bytes_per_s)
-      out["results"][f"{mode}_b{bsz}"] = dict(
+      width = 1 if kw["mode"] == "ntp" else a.n
+      length = bounds.cache_len(
+        [p.size for p in prompts], a.new_bytes, width, model.cfg.max_seq_len
+      )
+      row = dict(
         bytes_per_s=round(best.bytes_per_s, 1),
         steps=best.steps,
         bytes_per_step=round(sum(len(x) for x in best.ids) / bsz / max(best.steps, 1), 3),
@@ -116,19 +321,24 @@ def main(argv=None):
         latent_steps_per_byte=round(best.latent_steps_per_byte, 4),
         compile_s=round(runs[0].compile_s, 1),
       )
-  naive = naive_bytes_per_s(
-    model,
-    prompt_ids(a.prompt_bytes),
-    a.naive_bytes,
-    a.prompt_bytes + max(a.new_bytes, a.naive_bytes),
-  )
-  out["results"]["naive_full_forward_b1"] = {
-    "bytes_per_s": round(naive, 1),
-    "timed_bytes": a.naive_bytes,
-  }
+      row.update(step_bound(model, kw["mode"], bsz, width, length, best, stream["bytes_per_s"]))
+      row["step_hlo"] = hlo_step(model, prompts, kw, length)
+      out["results"][f"{mode}_b{bsz}"] = row
+  naive = None
+  if a.naive_bytes:
+    naive = naive_bytes_per_s(
+      model,
+      prompt_ids(a.prompt_bytes),
+      a.naive_bytes,
+      a.prompt_bytes + max(a.new_bytes, a.naive_bytes),
+    )
+    out["results"]["naive_full_forward_b1"] = {
+      "bytes_per_s": round(naive, 1),
+      "timed_bytes": a.naive_bytes,
+    }
   res = out["results"]
   ratios = {}
-  if "ntp_b1" in res:  # absent when --batch has no 1 or --modes no ntp
+  if "ntp_b1" in res and naive:  # absent when --batch has no 1 or --modes no ntp
     ratios["ntp_b1_vs_naive"] = res["ntp_b1"]["bytes_per_s"] / naive
   for key in res:
     ntp_key = "ntp_" + key.split("_")[-1]

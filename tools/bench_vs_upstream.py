@@ -1,9 +1,11 @@
-"""Training throughput of the paper's PyTorch code vs lca-jax, same model, same bytes, one process.
+"""Training and decoding throughput of the paper's PyTorch code vs lca-jax, same model, one process.
 
     python tools/bench_vs_upstream.py train --upstream-src /tmp/upstream \
         [--shapes 4x1024,1x4096] [--steps 10] [--warmup 2] \
         [--d-model 256 --d-inner 1024 --n-heads 4 --layers 2,4,2,2] [--max-latent-ratio 0] \
         [--data FILE.txt]
+    python tools/bench_vs_upstream.py decode --upstream-src /tmp/upstream \
+        [--sizes 11m,60m,374m] [--prompt-bytes 256] [--new-bytes 128] [--temperature 0.99]
 
 ``--upstream-src`` is a checkout of the paper's code (the folder holding ``src/model/modern_fxt.py``);
 it is imported at run time, nothing of it lives in this repository. For each shape ``BxT`` (rows x
@@ -24,19 +26,49 @@ byte ids of lca_jax.vocab = the ByT5 ids upstream uses, documents ending with EO
 ``--warmup`` steps are not timed (for lca_jax the first one compiles: ``compile_s``). Prints one
 JSON object: per shape the bytes/s and seconds per optimizer step of both sides and
 ``ratio`` = lca_jax bytes/s / upstream bytes/s, plus machine info, model shape and the parameter
-counts of both sides (equal once lca_jax's vocabulary padding rows are removed). Bad input is
-reported in one line on stderr with exit status 2.
+counts of both sides (equal once lca_jax's vocabulary padding rows are removed).
+
+``decode``: for each size of ``--sizes`` (``11m`` = d 256 / inner 1024 / 4 heads / layers
+2,4,2,2; ``60m`` = d 512 / 2048 / 8 heads / 2,8,2,2; ``374m`` = configs/lca_mbp.py's shape,
+d 1024 / 4096 / 8 heads / 2,16,2,2; or ``dD:INNER:HEADS[:KV]:ENC,LM,DEC,MBP``, e.g.
+``d64:128:4:1,1,1,1``), random lca_jax weights (``init_params``, ``--seed``; configs/lca_mbp.py
+in float32) are written in the paper's checkpoint layout (``interop.upstream.write_dir``) and
+loaded by both sides: upstream's ``FxTTransformerLM`` from that config.json with a strict
+``load_state_dict`` (as src/eval/generate.py loads a checkpoint; eval mode, float32), lca_jax
+through the converter (``interop.upstream.load_dir``, embedding and head padded to its 384
+rows). Both continue the same ``--prompt-bytes`` prompt of real text (the
+bundled corpus, ``bench_decode.prompt_ids``) by ``--new-bytes`` bytes, batch 1, sampling at
+``--temperature`` 0.99 with a fixed seed (upstream's temperature 1.0 is its greedy path, which
+stops early on the repetitive output of random weights):
+
+  * upstream: ``generate_group_cached(ids, max_tokens=new_bytes, temperature=T,
+    threshold=2.0, candidates=1)``, its KV-cached decoding; threshold 2 accepts no MBP
+    candidate, so it commits one NT byte per step (the output of ntp), though it still runs
+    its MBP stage every step (its cached path has no NT-only mode for an LCA-MBP model). One
+    untimed call of a few bytes first.
+  * lca_jax: ``generate(mode="ntp", temperature=T, ignore_eos=True, seed=seed)``; one untimed
+    call first (it compiles: ``compile_s``), best of ``--repeats``.
+
+Per size: parameter counts, bytes/s and ms per step of both sides, ``ratio`` = lca_jax /
+upstream bytes/s, and the weight-streaming bound of lca_jax's step (``lca_jax.decode.bounds``,
+the same bandwidth measurement and formula as tools/bench_decode.py: ``stream_gb_s`` of the
+jax device, ``bound_ms_per_step``, ``ms_per_step_over_bound``).
+
+Bad input is reported in one line on stderr with exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import math
 import os
 import platform
+import re
 import sys
+import tempfile
 import time
 import warnings
 
@@ -50,7 +82,11 @@ import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top
 import torch  # noqa: E402  pylint: disable=g-import-not-at-top
 
 from lca_jax import configs_io, vocab  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.api import Model  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.data.errors import DataError  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.decode import bounds  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.interop import upstream as up_io  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.interop.safetensors_io import read_safetensors  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.interop.upstream import config_to_upstream  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.model.config import ConfigError  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.train import inputs, loop, timing  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -61,6 +97,31 @@ PROG = "bench_vs_upstream"
 BASE_CONFIG = os.path.join(ROOT, "configs", "lca_mbp.py")
 UPSTREAM_MODULE = "src.model.modern_fxt"
 LAMBDAS = (1.0, 1.0, 10.0)  # NTP, MBP (train.py scale_loss2), BP (train.py scale_bp)
+# decode: the sizes of the issue (None = configs/lca_mbp.py's own shape: d 1024, 2/16/2/2)
+SIZES = {
+  "11m": dict(d_model=256, d_inner=1024, n_heads=4, n_kv_heads=4, layers="2,4,2,2"),
+  "60m": dict(d_model=512, d_inner=2048, n_heads=8, n_kv_heads=8, layers="2,8,2,2"),
+  "374m": None,
+}
+# upstream's generate_group_cached accepts an MBP candidate when its probability >= threshold:
+# above 1 it accepts none, so every step commits the one NT byte (ntp's output)
+UPSTREAM_THRESHOLD = 2.0
+
+
+def _load_bench_decode():
+  """tools/bench_decode.py as a module (shared: prompts, model shapes, step bound)."""
+  name = "_lca_tools_bench_decode"
+  if name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(
+      name, os.path.join(ROOT, "tools", "bench_decode.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules[name] = mod
+  return sys.modules[name]
+
+
+bench_decode = _load_bench_decode()
 
 
 class BenchError(ValueError):
@@ -103,6 +164,41 @@ def parse_layers(s: str):
   return layers
 
 
+_CUSTOM_SIZE = re.compile(r"d(\d+):(\d+):(\d+)(?::(\d+))?:(\d+(?:,\d+){3})")
+
+
+def parse_sizes(s: str):
+  """'11m,60m,d64:128:4:1,1,1,1' -> [(name, shape kwargs or None)] (None: configs/lca_mbp.py)."""
+  out = []
+  parts = re.findall(r"d\d+:\d+:\d+(?::\d+)?:\d+(?:,\d+){3}|[^,]+", str(s))
+  for part in (p.strip() for p in parts):
+    if not part:
+      continue
+    key = part.lower()
+    if key in SIZES:
+      out.append((key, SIZES[key]))
+      continue
+    m = _CUSTOM_SIZE.fullmatch(key)
+    if not m:
+      raise BenchError(
+        f"--sizes: {part!r} is neither one of {', '.join(SIZES)} nor "
+        "dD:INNER:HEADS[:KV]:ENC,LM,DEC,MBP (e.g. d64:128:4:1,1,1,1)"
+      )
+    d, inner, heads, kv, layers = m.groups()
+    parse_layers(layers)
+    shape = dict(
+      d_model=int(d), d_inner=int(inner), n_heads=int(heads), n_kv_heads=int(kv or 0), layers=layers
+    )
+    if min(shape["d_model"], shape["d_inner"], shape["n_heads"]) < 1:
+      raise BenchError(f"--sizes: {part!r}: d, inner and heads must be >= 1")
+    out.append((key, shape))
+  if not out:
+    raise BenchError(f"--sizes: {s!r} names no size")
+  if len({k for k, _ in out}) != len(out):
+    raise BenchError(f"--sizes: {s!r} repeats a size")
+  return out
+
+
 def _check_upstream_src(path: str) -> str:
   if not path:
     raise BenchError("--upstream-src is empty (give the paper's code checkout)")
@@ -117,16 +213,29 @@ def _check_upstream_src(path: str) -> str:
   return path
 
 
-def _parser():
-  ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-  sub = ap.add_subparsers(dest="cmd", required=True, metavar="{train}")
-  tr = sub.add_parser("train", help="training throughput (bytes/s, s per optimizer step)")
-  tr.add_argument(
+def _upstream_src_arg(p):
+  p.add_argument(
     "--upstream-src",
     required=True,
     metavar="DIR",
     help="checkout of the paper's code (holds src/model/modern_fxt.py)",
   )
+
+
+def _torch_device_arg(p):
+  p.add_argument(
+    "--torch-device",
+    default="cpu",
+    choices=("cpu", "cuda", "auto"),
+    help="auto = cuda when jax runs on a GPU and torch sees one",
+  )
+
+
+def _parser():
+  ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+  sub = ap.add_subparsers(dest="cmd", required=True, metavar="{train,decode}")
+  tr = sub.add_parser("train", help="training throughput (bytes/s, s per optimizer step)")
+  _upstream_src_arg(tr)
   tr.add_argument("--shapes", default="4x1024,1x4096", help="ROWSxBYTES per step, comma separated")
   tr.add_argument("--steps", type=int, default=10, help="timed optimizer steps per side and shape")
   tr.add_argument(
@@ -156,12 +265,33 @@ def _parser():
     metavar="FILE",
     help="local text file(s), comma separated (default: the bundled demo corpus)",
   )
-  tr.add_argument(
-    "--torch-device",
-    default="cpu",
-    choices=("cpu", "cuda", "auto"),
-    help="auto = cuda when jax runs on a GPU and torch sees one",
+  _torch_device_arg(tr)
+  de = sub.add_parser("decode", help="decoding throughput (bytes/s, ms per step, bound)")
+  _upstream_src_arg(de)
+  de.add_argument(
+    "--sizes",
+    default="11m,60m,374m",
+    help=f"comma separated: {', '.join(SIZES)} or dD:INNER:HEADS[:KV]:ENC,LM,DEC,MBP",
   )
+  de.add_argument("--prompt-bytes", type=int, default=256, help="prompt of real text, bytes")
+  de.add_argument("--new-bytes", type=int, default=128, help="bytes generated per call")
+  de.add_argument(
+    "--temperature",
+    type=float,
+    default=0.99,
+    help="sampling temperature, both sides (upstream's 1.0 is its greedy path)",
+  )
+  de.add_argument("--seed", type=int, default=0, help="random weights and sampling seed")
+  de.add_argument("--repeats", type=int, default=2, help="timed lca_jax calls (best counts)")
+  de.add_argument("--stream-mb", type=float, default=128.0, help="W of the bandwidth matvec, MB")
+  de.add_argument("--stream-repeats", type=int, default=5)
+  de.add_argument(
+    "--torch-threads",
+    type=int,
+    default=0,
+    help="torch CPU threads (0 = all cores, as train uses; on a busy machine 1 can be faster)",
+  )
+  _torch_device_arg(de)
   return ap
 
 
@@ -403,6 +533,207 @@ def upstream_params(cls, uc: dict) -> int:
   return int(sum(p.numel() for p in model.parameters()))
 
 
+# ---- decode ---------------------------------------------------------------------------------
+def decode_model_config(shape):
+  """lca_jax's ModelConfig of a --sizes entry (configs/lca_mbp.py in float32, plain XLA)."""
+  try:
+    if shape is None:
+      return bench_decode.model_config(BASE_CONFIG, bench_decode.FLAG_BASE)
+    return bench_decode.model_config(None, (), **shape)
+  except (ConfigError, configs_io.ConfigFileError, ValueError) as e:
+    raise BenchError(f"--sizes: {e}") from None
+
+
+def load_upstream_dir(cls, path: str, device: str):
+  """The paper's model from a checkpoint directory, as src/eval/generate.py loads one
+  (config.json attributes, strict load_state_dict of model.safetensors), eval mode, float32."""
+  with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+    uc = json.load(f)
+  model = build_upstream(cls, uc, "cpu", 0)
+  sd = {
+    k: torch.from_numpy(np.array(v))
+    for k, v in read_safetensors(os.path.join(path, "model.safetensors")).items()
+  }
+  try:
+    model.load_state_dict(sd, strict=True)
+  except RuntimeError as e:
+    raise BenchError(f"the paper's model rejects the exported weights ({_first_line(e)})") from None
+  return model.to(device=device, dtype=torch.float32).eval(), uc
+
+
+def load_lca_dir(path: str, cfg):
+  """lca_jax's model of the same checkpoint directory: its weights through the converter
+  (``interop.upstream.load_dir``), the embedding and head zero-padded to ``cfg.vocab_size`` rows
+  as lca_jax's own configs hold them (``lca_jax.load`` would keep the 261 rows of the paper's
+  layout), under ``cfg`` (config.json does not carry max_latent_ratio, unused in decoding)."""
+  try:
+    got, params = up_io.load_dir(path, vocab_size=cfg.vocab_size)
+  except ValueError as e:  # CheckpointError
+    raise BenchError(f"{path}: {e}") from None
+  if got.replace(max_latent_ratio=cfg.max_latent_ratio) != cfg:
+    raise BenchError(f"{path}: config.json does not give back the model written")
+  return Model(cfg, jax.tree_util.tree_map(jax.numpy.asarray, params), source=path)
+
+
+def _first_line(e: BaseException) -> str:
+  return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def upstream_decode(model, prompt, new_bytes: int, temperature: float, seed: int, device: str):
+  """Upstream's KV-cached decoding, batch 1, one NT byte per step (UPSTREAM_THRESHOLD)."""
+  ids = torch.from_numpy(np.asarray(prompt, np.int64))[None].to(device)
+  kw = dict(
+    temperature=temperature,
+    top_k=None,
+    top_p=None,
+    stop_token_id=None,
+    threshold=UPSTREAM_THRESHOLD,
+    candidates=1,
+  )
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    try:
+      torch.manual_seed(seed)
+      model.generate_group_cached(ids, max_tokens=min(4, new_bytes), **kw)  # warm-up
+      _sync(device)
+      torch.manual_seed(seed)
+      t0 = time.perf_counter()
+      out, acceptance = model.generate_group_cached(ids, max_tokens=new_bytes, **kw)
+      _sync(device)
+      elapsed = time.perf_counter() - t0
+    except Exception as e:  # pylint: disable=broad-except  (one line, exit 2)
+      raise BenchError(
+        f"upstream generate_group_cached failed ({type(e).__name__}: {_first_line(e)})"
+      ) from None
+  n = len(out)
+  return dict(
+    bytes_per_s=n / elapsed,
+    ms_per_step=elapsed / max(n, 1) * 1e3,
+    bytes=n,
+    steps=n,
+    elapsed_s=elapsed,
+    # upstream's own measure: bytes committed / logits read per step (NT, MBP, copies), so
+    # 1 / (candidates + 2) when no candidate is accepted
+    acceptance_rate=float(acceptance),
+  )
+
+
+def lca_decode(model, prompt, args, stream_bps: float):
+  """lca_jax ntp decoding, batch 1, after one untimed (compiling) call; best of --repeats."""
+  kw = dict(
+    mode="ntp",
+    temperature=args.temperature,
+    max_bytes=args.new_bytes,
+    ignore_eos=True,
+    seed=args.seed,
+  )
+  first = model.generate(prompt, **kw)  # warm-up (compiles)
+  runs = [model.generate(prompt, **kw) for _ in range(args.repeats)]
+  best = max(runs, key=lambda r: r.bytes_per_s)
+  length = bounds.cache_len([prompt.size], args.new_bytes, 1, model.cfg.max_seq_len)
+  row = dict(
+    bytes_per_s=best.bytes_per_s,
+    bytes=int(sum(len(x) for x in best.ids)),
+    steps=best.steps,
+    elapsed_s=best.elapsed_s,
+    latent_steps_per_byte=best.latent_steps_per_byte,
+    compile_s=first.compile_s,
+  )
+  row.update(bench_decode.step_bound(model, "ntp", 1, 1, length, best, stream_bps))
+  return row
+
+
+def _validate_decode(args):
+  src = _check_upstream_src(args.upstream_src)
+  sizes = parse_sizes(args.sizes)
+  for name in ("prompt_bytes", "new_bytes", "repeats", "stream_repeats"):
+    if getattr(args, name) < 1:
+      raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  t = args.temperature
+  if not (math.isfinite(t) and t > 0):
+    raise BenchError(f"--temperature must be a finite number > 0 (both sides sample), got {t}")
+  if t == 1.0:
+    raise BenchError(
+      "--temperature 1.0 is upstream's greedy path (argmax) but lca_jax's plain sampling; "
+      "choose another value (e.g. 0.99)"
+    )
+  if args.torch_threads < 0:
+    raise BenchError(f"--torch-threads must be >= 0 (0 = all cores), got {args.torch_threads}")
+  if not (math.isfinite(args.stream_mb) and args.stream_mb > 0):
+    raise BenchError(f"--stream-mb must be > 0, got {args.stream_mb}")
+  cfgs = [(name, decode_model_config(shape)) for name, shape in sizes]
+  for name, cfg in cfgs:
+    if args.prompt_bytes + args.new_bytes > cfg.max_seq_len:
+      raise BenchError(
+        f"size {name}: --prompt-bytes + --new-bytes ({args.prompt_bytes + args.new_bytes}) "
+        f"exceed the model context ({cfg.max_seq_len} bytes)"
+      )
+  return src, cfgs, torch_device(args.torch_device)
+
+
+def run_decode(args) -> dict:
+  src, cfgs, device = _validate_decode(args)
+  torch.set_num_threads(args.torch_threads or os.cpu_count() or 1)
+  cls = import_upstream(src)
+  prompt = bench_decode.prompt_ids(args.prompt_bytes)
+  stream = bounds.stream_bandwidth(args.stream_mb, args.stream_repeats)
+  results = {}
+  for name, cfg in cfgs:
+    with tempfile.TemporaryDirectory(prefix="bench_vs_upstream_") as ckpt:
+      print(f"{PROG}: {name}: random weights -> {ckpt} ...", file=sys.stderr, flush=True)
+      params = jax.tree_util.tree_map(
+        np.asarray, bench_decode.init_params(cfg, jax.random.PRNGKey(args.seed))
+      )
+      up_io.write_dir(ckpt, params, cfg)
+      del params
+      print(f"{PROG}: {name}: upstream ...", file=sys.stderr, flush=True)
+      up_model, uc = load_upstream_dir(cls, ckpt, device)
+      n_up = int(sum(p.numel() for p in up_model.parameters()))
+      up = upstream_decode(up_model, prompt, args.new_bytes, args.temperature, args.seed, device)
+      del up_model
+      print(f"{PROG}: {name}: lca_jax ...", file=sys.stderr, flush=True)
+      model = load_lca_dir(ckpt, cfg)
+    ours = lca_decode(model, prompt, args, stream["bytes_per_s"])
+    n_ours = bench_decode.n_params(model)
+    pad = (model.cfg.vocab_size - model.cfg.n_tokens) * model.cfg.d_model * 2  # padding rows
+    del model
+    results[name] = dict(
+      model=dict(
+        d_model=cfg.d_model,
+        d_inner=cfg.d_inner,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        layers=dict(enc=cfg.n_enc, lm=cfg.n_lm, dec=cfg.n_dec, mbp=cfg.n_mbp),
+        upstream_model_config=uc["model_config"],
+      ),
+      params=dict(
+        upstream=n_up,
+        lca_jax=n_ours,
+        lca_jax_without_padding=n_ours - pad,
+        match=(n_ours - pad) == n_up,
+      ),
+      upstream=up,
+      lca_jax=ours,
+      ratio=ours["bytes_per_s"] / up["bytes_per_s"],
+    )
+  return dict(
+    machine=machine_info(device),
+    upstream_src=src,
+    base_config=os.path.relpath(BASE_CONFIG, ROOT),
+    prompt_bytes=int(prompt.size),
+    new_bytes=args.new_bytes,
+    temperature=args.temperature,
+    seed=args.seed,
+    upstream_call=dict(
+      method="generate_group_cached", threshold=UPSTREAM_THRESHOLD, candidates=1, batch=1
+    ),
+    lca_jax_call=dict(mode="ntp", ignore_eos=True, batch=1, repeats=args.repeats),
+    stream_gb_s=round(stream["gb_s"], 2),
+    stream={k: v for k, v in stream.items() if k not in ("gb_s", "bytes_per_s")},
+    sizes=results,
+  )
+
+
 # ---- main -----------------------------------------------------------------------------------
 def _validate(args):
   src = _check_upstream_src(args.upstream_src)
@@ -420,12 +751,15 @@ def _validate(args):
   for f in (p.strip() for p in args.data.split(",") if p.strip()):
     if not os.path.isfile(f):
       raise BenchError(f"--data {f}: no such file")
-  device = args.torch_device
+  return src, shapes, layers, torch_device(args.torch_device)
+
+
+def torch_device(device: str) -> str:
   if device == "auto":
     device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
   if device == "cuda" and not torch.cuda.is_available():
     raise BenchError("--torch-device cuda: torch sees no CUDA device")
-  return src, shapes, layers, device
+  return device
 
 
 def run_train(args) -> dict:
@@ -508,7 +842,7 @@ def run_train(args) -> dict:
 def main(argv=None):
   args = _parser().parse_args(argv)
   try:
-    out = run_train(args)
+    out = run_decode(args) if args.cmd == "decode" else run_train(args)
   except BenchError as e:
     print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)

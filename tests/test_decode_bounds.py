@@ -1,0 +1,107 @@
+"""lca_jax.decode.bounds: bytes a decode step must read, the cache sizes it assumes (checked
+against the engine), and the streaming-bandwidth measurement (tiny)."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from lca_jax.api import Model
+from lca_jax.decode import bounds, cache, engine
+from lca_jax.model.config import ModelConfig
+from lca_jax.model.hierarchical import count_params, init_params
+
+TINY = dict(d_model=32, d_inner=64, n_heads=4, n_kv_heads=2, n_enc=1, n_lm=2, n_dec=1)
+LCA = ModelConfig(**TINY, n_mbp=2, max_seq_len=128)
+FLAT = ModelConfig(**dict(TINY, n_lm=0, n_dec=0), kind="flat", n_mbp=0, max_seq_len=128)
+MLP = ModelConfig(**TINY, n_mbp=0, n_mlp_mbp=2, max_seq_len=128)
+
+
+def _model(cfg):
+  return Model(cfg, jax.tree.map(np.asarray, init_params(cfg, jax.random.PRNGKey(0))))
+
+
+@pytest.mark.parametrize(
+  "mode,plens,max_bytes",
+  [("ntp", [5], 20), ("verify", [33, 7], 20), ("threshold", [40], 500)],
+)
+def test_cache_len_is_the_engine_length(mode, plens, max_bytes):
+  """The formula mirrors engine._request; if the engine changes its allocation, this fails."""
+  model = _model(LCA)
+  prompts = [np.arange(3, 3 + p, dtype=np.int32) % 200 + 3 for p in plens]
+  req = engine._request(model, prompts, mode=mode, n=3, max_bytes=max_bytes)  # pylint: disable=protected-access
+  width = 1 if mode == "ntp" else 3
+  assert bounds.cache_len(plens, max_bytes, width, LCA.max_seq_len) == req.length
+
+
+@pytest.mark.parametrize("cfg", [LCA, FLAT], ids=["lca", "flat"])
+def test_min_cache_bytes_is_the_smallest_cache_buffer(cfg):
+  params = nn.unbox(init_params(cfg, jax.random.PRNGKey(0)))
+  b, length = 3, 50
+  st = jax.eval_shape(lambda p: cache.init_state(cfg, p, b, length, True), params)
+  kv = [x for part in (st.enc, st.dec, st.mbp, st.lm) for x in jax.tree.leaves(part)]
+  assert min(x.size * x.dtype.itemsize for x in kv) == bounds.min_cache_bytes(cfg, b, length)
+
+
+def test_param_counts_cover_the_model():
+  for cfg in (LCA, FLAT, MLP):
+    groups = bounds.param_counts(cfg)
+    assert sum(groups.values()) == count_params(init_params(cfg, jax.random.PRNGKey(0)))
+  assert {"encoder", "lm", "decoder", "mbp", "head", "token_embedding"} <= set(
+    bounds.param_counts(LCA)
+  )
+
+
+def test_step_read_bytes_by_hand():
+  g = bounds.param_counts(LCA)
+  every = g["encoder"] + g["boundary_predictor"] + g["decoder"] + g["norm"] + g["head"]
+  d, kv_slot = LCA.d_model, 2 * LCA.n_kv_heads * LCA.head_dim * 4
+  length = 100
+  # ntp, batch 1, no group closes: no LM
+  r = bounds.step_read_bytes(LCA, "ntp", 1, 1, length, 0.0, 1.0)
+  assert r["lm_fraction"] == 0.0 and "mbp" not in r["groups"]
+  assert r["params"] == 4 * (every + d)
+  assert r["kv"] == kv_slot * (LCA.n_enc + LCA.n_dec) * length
+  # ntp, batch 1, a group every 4 bytes: the LM stack and its cache a quarter of the time
+  r = bounds.step_read_bytes(LCA, "ntp", 1, 1, length, 0.25, 1.0)
+  assert r["lm_fraction"] == pytest.approx(0.25)
+  assert r["params"] == pytest.approx(4 * (every + d + 0.25 * g["lm"]))
+  assert r["kv"] == pytest.approx(
+    kv_slot * ((LCA.n_enc + LCA.n_dec) * length + 0.25 * LCA.n_lm * (length + 1))
+  )
+  # verify, batch 2, 3 bytes fed per row: MBP stack + its window, 6 embedding rows
+  w = min(length, cache.MBP_WINDOW)
+  r = bounds.step_read_bytes(LCA, "verify", 2, 3, length, 0.25, 2.0)
+  f = 1 - (1 - 0.5) ** 2
+  assert r["lm_fraction"] == pytest.approx(f)
+  assert r["params"] == pytest.approx(4 * (every + g["mbp"] + 6 * d + f * g["lm"]))
+  assert r["kv"] == pytest.approx(
+    2 * kv_slot * ((LCA.n_enc + LCA.n_dec) * length + f * LCA.n_lm * (length + 1) + 2 * w)
+  )
+  assert r["total"] == pytest.approx(r["params"] + r["kv"])
+  # a flat model: encoder + head only, whatever the latents
+  gf = bounds.param_counts(FLAT)
+  r = bounds.step_read_bytes(FLAT, "ntp", 1, 1, length, 0.5, 1.0)
+  assert r["lm_fraction"] == 0.0
+  assert r["params"] == 4 * (gf["encoder"] + gf["norm"] + gf["head"] + d)
+  assert r["kv"] == kv_slot * FLAT.n_enc * length
+  # MLP-MBP heads count in the multi-byte modes only
+  assert "mlp_mbp_0" in bounds.step_read_bytes(MLP, "threshold", 1, 3, length)["groups"]
+  assert "mlp_mbp_0" not in bounds.step_read_bytes(MLP, "ntp", 1, 1, length)["groups"]
+
+
+def test_lm_fraction():
+  assert bounds.lm_fraction(0.3, 1.0, 1) == pytest.approx(0.3)
+  assert bounds.lm_fraction(0.3, 2.0, 2) == pytest.approx(1 - 0.4**2)
+  assert bounds.lm_fraction(0.5, 3.0, 1) == 1.0  # at most every step
+  assert bounds.lm_fraction(0.0, 3.0, 32) == 0.0
+
+
+def test_stream_bandwidth_tiny():
+  s = bounds.stream_bandwidth(matrix_mb=1, repeats=2, chain=2)
+  assert s["bytes_per_s"] > 0 and s["gb_s"] == pytest.approx(s["bytes_per_s"] / 1e9)
+  d, f = s["shape"]
+  assert s["matrix_bytes"] == d * f * 4 and abs(s["matrix_bytes"] - 1e6) < 0.01e6
+  assert bounds.bound_ms(2e9, 1e12) == pytest.approx(2.0)
+  with pytest.raises(ValueError):
+    bounds.stream_bandwidth(matrix_mb=0)
