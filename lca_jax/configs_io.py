@@ -119,3 +119,17 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides) -> ml_collecti
     except TypeError as e:
       raise ConfigFileError(f"config key {key}: cannot set {raw!r} ({e})") from e
   return config
+
+
+def parse_layers(s: str) -> tuple:
+  """'2,4,2,2' -> (n_enc, n_lm, n_dec, n_mbp), the benchmarks' ``--layers``; a
+  ``ConfigFileError`` naming the flag otherwise."""
+  try:
+    layers = tuple(int(x) for x in str(s).split(","))
+  except ValueError:
+    layers = ()
+  if len(layers) != 4 or min(layers[:3], default=0) < 1 or layers[3] < 0:
+    raise ConfigFileError(
+      f"--layers: {s!r} is not ENC,LM,DEC,MBP (e.g. 2,4,2,2; ENC, LM, DEC >= 1)"
+    )
+  return layers

@@ -98,13 +98,7 @@ MODES = ("ntp", "threshold", "verify", "threshold_tau0")
 # ---- the model --------------------------------------------------------------------------------
 def parse_layers(s: str):
   """'2,4,2,2' -> (enc, lm, dec, mbp); ValueError naming --layers otherwise."""
-  try:
-    layers = tuple(int(x) for x in str(s).split(","))
-  except ValueError:
-    layers = ()
-  if len(layers) != 4 or min(layers[:3], default=0) < 1 or layers[3] < 0:
-    raise ValueError(f"--layers: {s!r} is not ENC,LM,DEC,MBP (e.g. 2,4,2,2; ENC, LM, DEC >= 1)")
-  return layers
+  return configs_io.parse_layers(s)
 
 
 def shape_overrides(d_model=None, d_inner=None, n_heads=None, n_kv_heads=None, layers=None):

@@ -154,14 +154,11 @@ def parse_shapes(s: str):
 
 
 def parse_layers(s: str):
-  """'2,4,2,2' -> (enc, lm, dec, mbp)."""
+  """'2,4,2,2' -> (enc, lm, dec, mbp); BenchError naming --layers otherwise."""
   try:
-    layers = tuple(int(x) for x in str(s).split(","))
-  except ValueError:
-    layers = ()
-  if len(layers) != 4 or min(layers[:3], default=0) < 1 or layers[3] < 0:
-    raise BenchError(f"--layers: {s!r} is not ENC,LM,DEC,MBP (e.g. 2,4,2,2; ENC, LM, DEC >= 1)")
-  return layers
+    return configs_io.parse_layers(s)
+  except configs_io.ConfigFileError as e:
+    raise BenchError(str(e)) from None
 
 
 _CUSTOM_SIZE = re.compile(r"d(\d+):(\d+):(\d+)(?::(\d+))?:(\d+(?:,\d+){3})")

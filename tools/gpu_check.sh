@@ -45,7 +45,7 @@ part() {  # name timeout_s command...: run one part, keep its output and exit st
 part test_kernels 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py
 part bench_kernel 180 python3 tools/bench_kernel.py
 if [ -d workdirs/demo ]; then
-  part bench_decode 200 python3 tools/bench_decode.py --checkpoint workdirs/demo --naive-bytes 32
+  part bench_decode 200 python3 tools/bench_decode.py --checkpoint workdirs/demo --batch 1,8 --naive-bytes 32
 fi
 part test_decode 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_decode.py
 cat "$OUT/gpu.txt" "$OUT/summary.txt"

@@ -217,7 +217,9 @@ def _emit(d_BK, a_B):
 def _step(cfgs, params, plan: Plan, tau, sp, carry):
   cfg, dcfg = cfgs
   p_t, p_d = params
-  key, k_draft, k_acc = jax.random.split(carry["key"], 3)
+  # the step's two keys were split for every step before the loop (one threefry call, not one
+  # per step); greedy decoding uses none
+  k_draft, k_acc = carry["keys"][carry["step"]]
   st, pending = carry["st"], carry["pending"]
   new_pending = jnp.full_like(pending, -1)
   width = plan.width
@@ -277,7 +279,6 @@ def _step(cfgs, params, plan: Plan, tau, sp, carry):
   return dict(
     carry,
     st=st,
-    key=key,
     pending=new_pending,
     done=done,
     gen=carry["gen"] + a,
@@ -296,9 +297,13 @@ def _run(cfgs, plan: Plan, length: int, params, prompt_BP, plen_B, key, tau, sp)
   target_mbp = plan.mode in ("threshold", "verify")
   st = cache.init_state(cfg, p_t, b, length, target_mbp, plan.copies_in_extend)
   st, _ = cache.extend(cfg, p_t, st, prompt_BP, plen_B, target_mbp, plan.copies_in_extend)
+  n_keys = 1 if plan.greedy else plan.max_steps
+  keys = jax.random.split(key, n_keys * 2).reshape((n_keys, 2) + key.shape)
+  if plan.greedy:
+    keys = jnp.broadcast_to(keys, (plan.max_steps, 2) + key.shape)
   carry = dict(
     st=st,
-    key=key,
+    keys=keys,
     pending=jnp.full((b,), -1, jnp.int32),
     done=jnp.zeros((b,), bool),
     gen=jnp.zeros((b,), jnp.int32),

@@ -19,8 +19,16 @@ class SamplingParams(NamedTuple):
 
 
 def log_probs(logits, sp: SamplingParams):
-  """Log-probabilities of the processed distribution (temperature, then top-k, then top-p)."""
+  """Log-probabilities of the processed distribution (temperature, then top-k, then top-p).
+  The sort that top-k / top-p need runs only when one of them is on (a ``lax.cond``)."""
   x = logits.astype(jnp.float32) / jnp.maximum(sp.temperature, 1e-6)
+  filtering = (sp.top_k > 0) | (sp.top_p < 1.0)
+  return jax.lax.cond(
+    filtering, _filtered_log_probs, lambda x, sp: jax.nn.log_softmax(x, axis=-1), x, sp
+  )
+
+
+def _filtered_log_probs(x, sp: SamplingParams):
   v = x.shape[-1]
   srt = jnp.sort(x, axis=-1)[..., ::-1]
   k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v)

@@ -7,6 +7,8 @@ Modules: sharding (mesh, logical rules), optim (Adam + warmup/cosine), state (Tr
 sharded init), step (train/eval steps), checkpoint (orbax, load_for_inference), run_config
 (train_config.json, resume checks), manifest (checkpoint integrity), metrics
 (jsonl/TensorBoard/MFU), inputs (batch plan, data sources and pipelines of a config), stop
-(SIGTERM / request_stop), errors (TrainError), loop (train_and_evaluate). Imported lazily:
+(SIGTERM / request_stop), errors (TrainError), hooks (the per-step hooks of the loop: late
+metric fetch, finite check, metrics window, console, eval, checkpoints, watchdog), loop
+(train_and_evaluate). Imported lazily:
 ``lca_jax.load`` only needs ``checkpoint`` (and the run_config / manifest it imports).
 """
