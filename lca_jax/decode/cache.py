@@ -162,14 +162,25 @@ def _spacebyte_closes(cfg, state, new_ids_BK, valid_BK):
 
 
 def extend(
-  cfg: ModelConfig, params, state: DecodeState, new_ids_BK, k_B, with_mbp: bool, n_copies: int = 0
+  cfg: ModelConfig,
+  params,
+  state: DecodeState,
+  new_ids_BK,
+  k_B,
+  with_mbp: bool,
+  n_copies: int = 0,
+  last_only: bool = False,
 ):
   """Feed K bytes per row (the first ``k_B`` real) through every stack. Returns the new state
   and per-position outputs: logits of each head and the running values needed for rollback.
 
   With ``n_copies`` (LCA-MBP), the same MBP pass also reads the head at that many copies
   appended after each row's new last byte (see ``mbp_copies``) into ``state.last_copies``.
+  With ``last_only`` the heads run only where the state needs them (each row's last byte and
+  the copies), not at every position: for callers that never roll back (prefill, ntp,
+  threshold); the per-position logits are then absent from the outputs.
   """
+  at_last = lambda x_BKD: _take(x_BKD, jnp.maximum(k_B - 1, 0))[:, None]
   b, k = new_ids_BK.shape
   length_cap = state.ids.shape[1]
   j = jnp.arange(k)[None, :]
@@ -184,10 +195,13 @@ def extend(
   out = {}
   keep = lambda new, old: jnp.where(has_new.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
   if not cfg.hierarchical:
-    nt = _apply(cfg, params, ByteLM.logits, h)
-    out["nt_logits"] = nt
+    if last_only:
+      last_nt = _apply(cfg, params, ByteLM.logits, at_last(h))[:, 0]
+    else:
+      out["nt_logits"] = nt = _apply(cfg, params, ByteLM.logits, h)
+      last_nt = _take(nt, last)
     return state.replace(
-      ids=ids, length=state.length + k_B, enc=enc, last_nt=keep(_take(nt, last), state.last_nt)
+      ids=ids, length=state.length + k_B, enc=enc, last_nt=keep(last_nt, state.last_nt)
     ), out
 
   # boundaries and the running sums of the open group
@@ -229,8 +243,12 @@ def extend(
   bb = write_rows(state.b, closes.astype(jnp.int32), state.length)
   z_up = jnp.take_along_axis(z, u[..., None], axis=1)
   h_nt, dec = _stack(cfg, params, "decoder", z_up + h, pos, causal, state.dec, state.length)
-  nt = _apply(cfg, params, ByteLM.logits, h_nt)
-  out.update(nt_logits=nt, h=hf, seg=seg, closes=closes, n_closed=u)
+  out.update(h=hf, seg=seg, closes=closes, n_closed=u)
+  if last_only:
+    last_nt = _apply(cfg, params, ByteLM.logits, at_last(h_nt))[:, 0]
+  else:
+    out["nt_logits"] = nt = _apply(cfg, params, ByteLM.logits, h_nt)
+    last_nt = _take(nt, last)
   new = dict(
     ids=ids,
     length=state.length + k_B,
@@ -246,7 +264,7 @@ def extend(
   closed_last = _take(closes, last)
   new["open_sum"] = keep(jnp.where(closed_last[:, None], 0.0, _take(gsum, last)), state.open_sum)
   new["open_cnt"] = keep(jnp.where(closed_last, 0.0, _take(gcnt, last)), state.open_cnt)
-  new["last_nt"] = keep(_take(nt, last), state.last_nt)
+  new["last_nt"] = keep(last_nt, state.last_nt)
   if with_mbp and cfg.has_lca:
     m = z_up + jnp.take_along_axis(s, u[..., None], axis=1)
     order = pos
@@ -260,23 +278,33 @@ def extend(
     h_m, mbp = _mbp_stack(
       cfg, params, state, m, grp, order, key_g, _key_order(state.length, k_B, k, c, length_cap)
     )
-    mbp_logits = _apply(cfg, params, ByteLM.logits, h_m)
-    out["mbp_logits"] = mbp_logits[:, :k]
-    new.update(mbp=mbp, last_mbp=keep(_take(mbp_logits, last), state.last_mbp))
+    if last_only:  # row: the last byte, then the copies
+      mbp_logits = _apply(
+        cfg, params, ByteLM.logits, jnp.concatenate([at_last(h_m[:, :k]), h_m[:, k:]], 1)
+      )
+      last_mbp, copies = mbp_logits[:, 0], mbp_logits[:, 1:]
+    else:
+      mbp_logits = _apply(cfg, params, ByteLM.logits, h_m)
+      out["mbp_logits"] = mbp_logits[:, :k]
+      last_mbp, copies = _take(mbp_logits, last), mbp_logits[:, k:]
+    new.update(mbp=mbp, last_mbp=keep(last_mbp, state.last_mbp))
     if c:
-      new["last_copies"] = keep(mbp_logits[:, k:], state.last_copies)
+      new["last_copies"] = keep(copies, state.last_copies)
   if with_mbp and cfg.n_mlp_mbp:
+    src = at_last(h_nt) if last_only else h_nt
     mlp = jnp.stack(
       [
-        _apply(cfg, params, ByteLM.logits, _apply(cfg, params, ByteLM.mlp_head, i, h_nt))
+        _apply(cfg, params, ByteLM.logits, _apply(cfg, params, ByteLM.mlp_head, i, src))
         for i in range(cfg.n_mlp_mbp)
       ],
       axis=1,
-    )  # [B, k, K, V]
-    out["mlp_logits"] = mlp
-    new["last_mlp"] = keep(
-      jnp.take_along_axis(mlp, last[:, None, None, None], axis=2)[:, :, 0], state.last_mlp
-    )
+    )  # [B, k, K (1 with last_only), V]
+    if last_only:
+      last_mlp = mlp[:, :, 0]
+    else:
+      out["mlp_logits"] = mlp
+      last_mlp = jnp.take_along_axis(mlp, last[:, None, None, None], axis=2)[:, :, 0]
+    new["last_mlp"] = keep(last_mlp, state.last_mlp)
   return state.replace(**new), out
 
 

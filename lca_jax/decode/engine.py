@@ -242,7 +242,7 @@ def _step(cfgs, params, plan: Plan, tau, sp, carry):
       bonus = jnp.where(a < width, repl, tail)
     a, done = _finalize(plan, d, a, carry)
     st = cache.rollback(st_x, st, out, a)
-    dst, _ = cache.extend(dcfg, p_d, dst, d, a, True)
+    dst, _ = cache.extend(dcfg, p_d, dst, d, a, True, last_only=True)
     carry = dict(carry, dst=dst)
     new_pending = jnp.where(done, -1, bonus)
     n_cand = jnp.where(carry["done"], 0, width)
@@ -271,7 +271,9 @@ def _step(cfgs, params, plan: Plan, tau, sp, carry):
     else:
       a = jnp.ones_like(pending)
     a, done = _finalize(plan, d, a, carry)
-    st, _ = cache.extend(cfg, p_t, st, d, a, plan.mode == "threshold", plan.copies_in_extend)
+    st, _ = cache.extend(
+      cfg, p_t, st, d, a, plan.mode == "threshold", plan.copies_in_extend, last_only=True
+    )
     acc = jnp.maximum(a - 1, 0)
   if plan.stream:
     jax.debug.callback(_emit, d, a, ordered=True)
@@ -296,7 +298,9 @@ def _run(cfgs, plan: Plan, length: int, params, prompt_BP, plen_B, key, tau, sp)
   b = prompt_BP.shape[0]
   target_mbp = plan.mode in ("threshold", "verify")
   st = cache.init_state(cfg, p_t, b, length, target_mbp, plan.copies_in_extend)
-  st, _ = cache.extend(cfg, p_t, st, prompt_BP, plen_B, target_mbp, plan.copies_in_extend)
+  st, _ = cache.extend(
+    cfg, p_t, st, prompt_BP, plen_B, target_mbp, plan.copies_in_extend, last_only=True
+  )
   n_keys = 1 if plan.greedy else plan.max_steps
   keys = jax.random.split(key, n_keys * 2).reshape((n_keys, 2) + key.shape)
   if plan.greedy:
@@ -315,7 +319,7 @@ def _run(cfgs, plan: Plan, length: int, params, prompt_BP, plen_B, key, tau, sp)
   )
   if plan.mode == "drafter":
     dst = cache.init_state(dcfg, p_d, b, length, True)
-    carry["dst"], _ = cache.extend(dcfg, p_d, dst, prompt_BP, plen_B, True)
+    carry["dst"], _ = cache.extend(dcfg, p_d, dst, prompt_BP, plen_B, True, last_only=True)
   cond = lambda c: jnp.any(~c["done"]) & (c["step"] < plan.max_steps)
   body = lambda c: _step(cfgs, params, plan, tau, sp, c)
   c = jax.lax.while_loop(cond, body, carry)
