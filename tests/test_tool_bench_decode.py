@@ -38,6 +38,9 @@ TINY = [
 ]
 RESULT_KEYS = {
   "bytes_per_s",
+  "decode_bytes_per_s",
+  "prefill_s",
+  "step_time_from",
   "steps",
   "bytes_per_step",
   "acceptance_rate",
@@ -66,6 +69,7 @@ def _tool():
 def _check_row(row, key):
   assert RESULT_KEYS <= set(row), key
   assert row["bytes_per_s"] > 0 and row["steps"] > 0, key
+  assert row["decode_bytes_per_s"] > 0 and row["prefill_s"] > 0, key
   assert row["ms_per_step"] > 0 and row["bound_ms_per_step"] > 0, key
   assert row["read_bytes_per_step"] == pytest.approx(
     row["read_param_bytes"] + row["read_kv_bytes"], abs=2
