@@ -501,18 +501,18 @@ def generate(
   req = _request(
     model,
     prompts,
-    mode,
-    tau,
-    n,
-    max_bytes,
-    temperature,
-    top_k,
-    top_p,
-    seed,
     ignore_eos,
     drafter,
-    pad_to,
     stream=on_bytes is not None,
+    mode=mode,
+    tau=tau,
+    n=n,
+    max_bytes=max_bytes,
+    temperature=temperature,
+    top_k=top_k,
+    top_p=top_p,
+    seed=seed,
+    pad_to=pad_to,
   )
   exe, compile_s = _compiled(req.cfgs, req.plan, req.length, req.args)
   _SINK[0] = on_bytes
@@ -542,24 +542,10 @@ class _Request:
   requested: int
 
 
-def _request(
-  model,
-  prompts,
-  mode="ntp",
-  tau=0.9,
-  n=3,
-  max_bytes=256,
-  temperature=0.0,
-  top_k=0,
-  top_p=1.0,
-  seed=0,
-  ignore_eos=False,
-  drafter=None,
-  pad_to=32,
-  stream=False,
-) -> _Request:
-  """Checked options, encoded prompts and the static plan + device arguments of one call."""
-  opts = check_options(mode, tau, n, max_bytes, temperature, top_k, top_p, seed, pad_to)
+def _request(model, prompts, ignore_eos=False, drafter=None, stream=False, **options) -> _Request:
+  """Checked options (those of ``check_options``), encoded prompts and the static plan + device
+  arguments of one call."""
+  opts = check_options(**options)
   mode, tau, n, requested = opts["mode"], opts["tau"], opts["n"], opts["max_bytes"]
   temperature, top_k, top_p = opts["temperature"], opts["top_k"], opts["top_p"]
   seed, pad_to = opts["seed"], opts["pad_to"]
