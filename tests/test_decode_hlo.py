@@ -8,7 +8,7 @@ import pytest
 from conftest import assert_close_rel
 
 from lca_jax.api import Model
-from lca_jax.decode import engine, hlo_stats
+from lca_jax.decode import bounds, engine, hlo_stats
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import init_params
 from lca_jax.model.layers import cached_attention, masked_attention, write_kv
@@ -83,8 +83,7 @@ def test_decode_step_copies_no_cache(variant, mode, batch):
   prompts = [np.arange(3, 3 + 20 + i, dtype=np.int32) for i in range(batch)]
   kw = dict(mode=mode, n=3, tau=0.5, max_bytes=200, temperature=0.0, ignore_eos=True)
   text = engine.compiled_decode(model, prompts, **kw).as_text()
-  # the smallest cache buffer: one layer's keys for every row, [B, KV, L, E] float32
-  cache_bytes = batch * cfg.n_kv_heads * 200 * cfg.head_dim * 4
-  stats = hlo_stats.step_stats(text, cache_bytes)
+  # the smallest cache buffer: one layer's keys for every row, [B, KV, L, E], L >= max_bytes
+  stats = hlo_stats.step_stats(text, bounds.min_cache_bytes(cfg, batch, 200))
   assert stats["copies"] == [], stats["copies"]
   assert stats["dots"] > 0 and stats["ops"] > stats["dots"]

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lca_jax.decode import engine
 from lca_jax.decode.cache import MBP_WINDOW
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import init_params
@@ -123,8 +124,7 @@ def cache_len(prompt_lens, max_bytes: int, width: int, max_seq_len: int, pad_to:
   ``max_bytes`` and ``width`` bytes fed per step (engine._request: padded prompt + capped
   budget + room for a block and copies past the end)."""
   longest = max(int(p) for p in prompt_lens)
-  budget = max(1, min(int(max_bytes), max_seq_len - longest))
-  return -(-longest // pad_to) * pad_to + budget + 2 * width + 1
+  return engine.cache_length(longest, int(max_bytes), width, max_seq_len, pad_to)
 
 
 def min_cache_bytes(cfg: ModelConfig, batch: int, length: int) -> int:

@@ -45,8 +45,9 @@ class DecodeState:
 
 
 def _kv(cfg: ModelConfig, n_layers, b, length, dtype):
-  """Per-layer (k [B, KV, L, E], v [B, KV, E, L]): the layouts in which a decode step reads
-  both without moving them (``layers.cached_attention``)."""
+  """Per-layer zeros (k [B, KV, L, E], v [B, KV, E, L]): the layouts in which a decode step
+  reads both without moving them (``layers.cached_attention``); with L = T new slots, the
+  entries of a ``lax.cond`` branch that computes none."""
   k = (b, cfg.n_kv_heads, length, cfg.head_dim)
   v = (b, cfg.n_kv_heads, cfg.head_dim, length)
   return tuple((jnp.zeros(k, dtype), jnp.zeros(v, dtype)) for _ in range(n_layers))
@@ -66,12 +67,6 @@ def _stack(cfg, params, which, x, pos, mask, caches, write_B, window_B=None, def
 def _write(caches, entries, write_B):
   """Store per-layer entries returned by a deferred ``_stack`` (after a ``lax.cond``)."""
   return tuple(write_kv(c, e, write_B) for c, e in zip(caches, entries))
-
-
-def _entries_like(cfg: ModelConfig, n_layers: int, b: int, t: int, dtype):
-  """Zero cache entries for T new slots (the branch of a ``lax.cond`` that computes none)."""
-  k, v = (b, cfg.n_kv_heads, t, cfg.head_dim), (b, cfg.n_kv_heads, cfg.head_dim, t)
-  return tuple((jnp.zeros(k, dtype), jnp.zeros(v, dtype)) for _ in range(n_layers))
 
 
 def _take(x_BK, idx_B):
@@ -231,7 +226,7 @@ def extend(
     lambda: _stack(
       cfg, params, "lm", new_s, slot_pos, lm_mask, state.lm, state.n_closed + 1, defer=True
     ),
-    lambda: (jnp.zeros_like(new_s), _entries_like(cfg, cfg.n_lm, b, k, new_s.dtype)),
+    lambda: (jnp.zeros_like(new_s), _kv(cfg, cfg.n_lm, b, k, new_s.dtype)),
   )
   lm = _write(state.lm, lm_new, state.n_closed + 1)
   z = write_rows(state.z, z_new, state.n_closed + 1)

@@ -532,6 +532,18 @@ def compiled_decode(model, prompts, **kw):
   return _compiled(req.cfgs, req.plan, req.length, req.args)[0]
 
 
+def cache_length(longest: int, max_bytes: int, width: int, limit: int, pad_to: int = 32) -> int:
+  """Cache slots a call allocates: the longest prompt padded to ``pad_to``, the byte budget
+  (``max_bytes`` capped so that prompt + generation fits ``limit``), and room for a block of
+  ``width`` bytes and its copies past the end."""
+  return -(-longest // pad_to) * pad_to + byte_budget(max_bytes, longest, limit) + 2 * width + 1
+
+
+def byte_budget(max_bytes: int, longest: int, limit: int) -> int:
+  """``max_bytes`` capped so that the longest prompt + generation fits ``limit`` (>= 1)."""
+  return max(1, min(max_bytes, limit - longest))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Request:
   cfgs: tuple
@@ -558,7 +570,7 @@ def _request(model, prompts, ignore_eos=False, drafter=None, stream=False, **opt
     source = "mlp" if (dcfg or cfg).n_mlp_mbp else "lca"
   longest = max(p.size for p in enc)
   limit = min(cfg.max_seq_len, (dcfg or cfg).max_seq_len)
-  max_bytes = max(1, min(requested, limit - longest))
+  max_bytes = byte_budget(requested, longest, limit)
   plan = Plan(
     mode,
     n if mode != "ntp" else 1,
@@ -569,7 +581,7 @@ def _request(model, prompts, ignore_eos=False, drafter=None, stream=False, **opt
     stream=stream,
   )
   p_len = -(-longest // pad_to) * pad_to
-  length = p_len + max_bytes + 2 * plan.width + 1  # room for a block + copies past the end
+  length = cache_length(longest, requested, plan.width, limit, pad_to)
   prompt = np.zeros((len(enc), p_len), np.int32)
   for i, p in enumerate(enc):
     prompt[i, : p.size] = p
