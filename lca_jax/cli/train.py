@@ -126,6 +126,12 @@ def main(argv=None) -> int:
     return _fail(f"LCA_WATCHDOG must be a number of seconds, got {os.environ['LCA_WATCHDOG']!r}")
   multi = distributed.wanted(os.environ, flag=args.distributed, coordinator=args.coordinator)
   exit_now = distributed.exit_now if multi else None
+  if not multi:  # before anything starts a backend (a multi-process run keeps jax's default)
+    try:
+      rows = int(config.train.micro_batch_size)
+      sharding.use_cpu_devices(sharding.cpu_device_count(config.mesh, rows))
+    except sharding.MeshError as e:
+      return _fail(str(e))
   if multi:
     try:
       dcfg = distributed.resolve(

@@ -134,8 +134,11 @@ def _forward(blocks: _Blocks, t, block_q, block_k, scale):
       s, mask, _, v_t, _ = _tile(blocks, n, tile, q_n, lo_n, block_q, block_k, scale)
       s = jnp.where(mask, s, NEG_INF)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-      p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-      alpha = jnp.exp(m - m_new)
+      # A row with no key so far keeps m = NEG_INF; subtracting 0 there makes its masked
+      # scores exp(NEG_INF) = 0 without a second select over the tile.
+      m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+      p = jnp.exp(s - m_safe[..., None])
+      alpha = jnp.exp(m - m_safe)
       l = alpha * l + jnp.sum(p, axis=-1)
       pv = jnp.einsum(
         "bkgqs,bkse->bkgqe", p.astype(v_t.dtype), v_t, preferred_element_type=jnp.float32

@@ -50,6 +50,7 @@ RESUME_MUTABLE = (
   "mesh.data",
   "mesh.fsdp",
   "mesh.tensor",
+  "mesh.cpu_devices",
 )
 
 
@@ -96,6 +97,7 @@ def _number(v, integer: bool):
 # (key, integer?, check, what it must be)
 _NUMBERS = (
   ("data.seq_len", True, lambda x: x >= 1, "an integer >= 1"),
+  ("mesh.cpu_devices", True, lambda x: x >= 0, "an integer >= 0 (0 = auto)"),
   ("data.worker_count", True, lambda x: x >= 0, "an integer >= 0"),
   ("train.steps", True, lambda x: x >= 0, "an integer >= 0"),
   ("train.seed", True, lambda x: True, "an integer"),
