@@ -120,33 +120,92 @@ def boundary_probs(model, ids):
   return np.asarray(jax.nn.sigmoid(logits.astype(jnp.float32))).reshape(-1)
 
 
-def training_summary(path: str) -> str:
-  """One line from an lca-train work directory: the last held-out eval (inference-mode
-  boundaries, no Gumbel noise) and the last logged training-time boundary rate."""
+def _last_row(path: str, name: str):
+  """The last JSON row of WORKDIR/name (None if missing or unreadable)."""
   import json  # pylint: disable=g-import-not-at-top
 
-  def last(name):
-    f = os.path.join(path, name)
-    if not os.path.isfile(f):
-      return None
-    rows = [ln for ln in open(f, encoding="utf-8") if ln.strip()]
-    try:
-      return json.loads(rows[-1]) if rows else None
-    except ValueError:
-      return None
+  f = os.path.join(path, name)
+  if not os.path.isfile(f):
+    return None
+  rows = [ln for ln in open(f, encoding="utf-8") if ln.strip()]
+  try:
+    return json.loads(rows[-1]) if rows else None
+  except ValueError:
+    return None
 
-  ev, tr = last("eval.jsonl"), last("metrics.jsonl")
-  parts = []
-  if ev:
-    txt = f"held-out @ step {ev.get('step')}: bpb ntp {ev['bpb_ntp']:.3f}"
-    if ev.get("bpb_mbp") is not None:
-      txt += f", mbp {ev['bpb_mbp']:.3f}"
-    if ev.get("bytes_per_latent") is not None:
-      txt += f", {ev['bytes_per_latent']:.2f} bytes/latent at inference"
-    parts.append(txt)
+
+def gzip_bpb() -> float:
+  """Bits per byte of the bundled corpus as gzip -9 stores it (compressed bits / text bytes),
+  a reference point for the model's figures (NaN when the corpus is unavailable)."""
+  import gzip  # pylint: disable=g-import-not-at-top
+
+  try:
+    from lca_jax.data import demo  # pylint: disable=g-import-not-at-top
+
+    path = demo.demo_corpus_path()
+    with gzip.open(path, "rb") as f:
+      n = len(f.read())
+    return 8.0 * os.path.getsize(path) / max(n, 1)
+  except Exception:  # pylint: disable=broad-except
+    return float("nan")
+
+
+def training_summary(path: str) -> str:
+  """The held-out section from an lca-train work directory ('' when it has no eval.jsonl): the
+  last eval (inference-mode boundaries, no Gumbel noise) of both heads, bytes per latent, the
+  last logged training-time boundary rate, and one sentence on what the numbers mean."""
+  ev, tr = _last_row(path, "eval.jsonl"), _last_row(path, "metrics.jsonl")
+  if not ev or ev.get("bpb_ntp") is None:
+    return ""
+  lines = [
+    f"== held-out bits per byte (eval.jsonl @ step {ev.get('step')}, "
+    f"{int(ev.get('bytes') or 0)} held-out bytes) =="
+  ]
+  txt = f"next-byte head {ev['bpb_ntp']:.3f} bpb"
+  if ev.get("bpb_mbp") is not None:
+    txt += f", multi-byte head {ev['bpb_mbp']:.3f} bpb"
+  if ev.get("bytes_per_latent") is not None:
+    txt += f", {ev['bytes_per_latent']:.2f} bytes per latent at inference"
   if tr and tr.get("bytes_per_latent") is not None:
-    parts.append(f"training (Gumbel-sampled boundaries): {tr['bytes_per_latent']:.2f} bytes/latent")
-  return "; ".join(parts)
+    txt += f" ({tr['bytes_per_latent']:.2f} in training, Gumbel-sampled boundaries)"
+  lines.append(txt)
+  data = (_train_config(path).get("config") or {}).get("data") or {}
+  if data and not data.get("train_files") and not data.get("eval_files"):
+    gz = gzip_bpb()
+    ref = f"; gzip -9 stores this corpus at {gz:.2f} bpb" if gz == gz else ""
+    sentence = (
+      f"-- Scored on paragraphs of the bundled corpus the model never trained on (every "
+      f"{_holdout_every()}th); 8 bpb is a uniform guess over bytes{ref}."
+    )
+  else:
+    sentence = "-- Scored on the run's eval data; 8 bpb is a uniform guess over bytes."
+  if ev.get("bpb_mbp") is not None:
+    sentence += (
+      f" The multi-byte head predicts the byte after next from closed groups only, so it is "
+      f"{ev['bpb_mbp'] - ev['bpb_ntp']:+.2f} bpb from the next-byte head."
+    )
+  lines.append(sentence)
+  return "\n".join(lines)
+
+
+def _train_config(path: str) -> dict:
+  import json  # pylint: disable=g-import-not-at-top
+
+  try:
+    with open(os.path.join(path, "train_config.json"), encoding="utf-8") as f:
+      d = json.load(f)
+    return d if isinstance(d, dict) else {}
+  except (OSError, ValueError):
+    return {}
+
+
+def _holdout_every() -> int:
+  try:
+    from lca_jax.data import demo  # pylint: disable=g-import-not-at-top
+
+    return int(demo.DEMO_HOLDOUT_EVERY)
+  except Exception:  # pylint: disable=broad-except
+    return 20
 
 
 def heldout_snippet(n_bytes: int) -> str:
@@ -168,14 +227,72 @@ def heldout_snippet(n_bytes: int) -> str:
   return ""
 
 
+WORD_EDGE = frozenset(b" \n\t.,;:!?()\"'-")
+
+
+def word_edge_share(sentence: str, boundaries) -> tuple:
+  """(groups, groups closing at a word edge): a group closes at byte t; it is at a word edge when
+  byte t or byte t+1 is a space or punctuation (the group ends a word or a space run)."""
+  raw = sentence.encode("utf-8")
+  b = np.asarray(boundaries).reshape(-1)[: len(raw)]
+  closes = [t for t in range(len(raw)) if b[t]]
+  edge = sum(
+    1 for t in closes if raw[t] in WORD_EDGE or (t + 1 < len(raw) and raw[t + 1] in WORD_EDGE)
+  )
+  return len(closes), edge
+
+
+def first_difference(a, b) -> int:
+  """Index of the first differing id of two id sequences (-1 when identical)."""
+  a, b = list(map(int, a)), list(map(int, b))
+  for i, (x, y) in enumerate(zip(a, b)):
+    if x != y:
+      return i
+  return -1 if len(a) == len(b) else min(len(a), len(b))
+
+
+def timed_generate(model, prompt: str, repeats: int, **kw):
+  """``model.generate`` ``repeats`` times (the first call compiles; bytes/s never counts the
+  compile); returns the last result and the median bytes/s over the repeats."""
+  res, rates = None, []
+  for _ in range(max(1, repeats)):
+    res = model.generate([prompt], **kw)
+    rates.append(res.bytes_per_s)
+  return res, float(np.median(rates))
+
+
+def _stats_line(res, bps: float, repeats: int) -> str:
+  steps = len(res.accepted_per_step[0])
+  nbytes = len(res.ids[0])
+  acc = res.acceptance_rate
+  acc_txt = "acceptance n/a (nothing proposed)" if acc != acc else f"acceptance {acc:.2f}"
+  return (
+    f"-- {nbytes} bytes in {steps} steps: {bps:.0f} bytes/s (median of {max(1, repeats)}), "
+    f"{nbytes / max(steps, 1):.2f} bytes/step, {acc_txt}, bytes/step histogram {res.histogram}"
+  )
+
+
+def _tau_ladder(tau: float) -> list:
+  """tau, then the lower of 0.3 / 0.1 / 0.0: tried in turn until threshold accepts something."""
+  return [tau] + [t for t in (0.3, 0.1, 0.0) if t < tau]
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--checkpoint", required=True)
   ap.add_argument("--prompt", default=DEFAULT_PROMPT)
   ap.add_argument("--sentence", default=DEFAULT_SENTENCE)
   ap.add_argument("--max-bytes", type=int, default=120)
-  ap.add_argument("--tau", type=float, default=0.5)
-  ap.add_argument("--n", type=int, default=3)
+  ap.add_argument(
+    "--tau",
+    type=float,
+    default=0.5,
+    help="threshold's tau; when it accepts nothing, 0.3, 0.1 and 0 are tried in turn",
+  )
+  ap.add_argument("--n", type=int, default=3, help="bytes proposed per step (threshold, verify)")
+  ap.add_argument(
+    "--repeats", type=int, default=3, help="timed runs per mode (bytes/s is their median)"
+  )
   ap.add_argument("--reference", action="store_true", help="force the reference loop")
   ap.add_argument(
     "--temperature",
@@ -189,6 +306,12 @@ def main(argv=None):
     type=int,
     default=160,
     help="also segment this many bytes of held-out demo-corpus text (0: skip)",
+  )
+  ap.add_argument(
+    "--curve",
+    default=None,
+    help="loss-curve PNG to write (default CHECKPOINT/loss_curve.png when the checkpoint is a "
+    "work directory with metrics; '' to skip)",
   )
   args = ap.parse_args(argv)
 
@@ -204,55 +327,42 @@ def main(argv=None):
     f"model: {cfg.kind}, d={cfg.d_model}, layers enc/lm/dec/mbp = "
     f"{cfg.n_enc}/{cfg.n_lm}/{cfg.n_dec}/{cfg.n_mbp} ({args.checkpoint})"
   )
+
+  # 1. held-out bits per byte (from the training run's own eval)
   summary = training_summary(args.checkpoint)
   if summary:
-    print(summary)
-  print(f"prompt: {_visible(args.prompt)!r}\n")
+    print("\n" + summary)
 
+  # 2. learned segmentation
+  print("\n== learned segmentation ('|' after a byte that closes its group) ==")
+  print(segmentation(model, args.sentence))
+  if cfg.hierarchical:
+    b = model.forward(lca_jax.vocab.encode(args.sentence))["boundaries"]
+    n_g, n_edge = word_edge_share(args.sentence, b)
+    if n_g:
+      print(
+        f"-- Nobody told it where words are: {n_edge} of its {n_g} groups end at a word edge "
+        "(a space or punctuation at or right after the closing byte), the rest split words."
+      )
+  held = heldout_snippet(args.heldout_bytes)
+  if held and cfg.hierarchical:
+    print(
+      f"\n== segmentation of held-out text (first {len(held.encode())} bytes of a held-out paragraph) =="
+    )
+    print(segmentation(model, held).replace("\n", "\\n", held.count("\n")))
+
+  print(f"\nprompt: {_visible(args.prompt)!r}\n")
   use_engine = (
     not args.reference
     and importlib.util.find_spec("lca_jax.decode") is not None
     and importlib.util.find_spec("lca_jax.decode.engine") is not None
   )
-  modes = [("next-byte (ntp)", dict(mode="ntp"), None)]
-  if cfg.has_mbp:
-    modes.append(
-      (
-        f"multi-byte (threshold, tau={args.tau}, n={args.n})",
-        dict(mode="threshold", tau=args.tau, n=args.n),
-        args.tau,
-      )
-    )
+  if use_engine:
+    rc = _engine_sections(model, args)
+    if rc is not None:
+      return rc
   else:
-    print("(no multi-byte head in this model: threshold decoding skipped)\n")
-  for title, kw, tau in modes:
-    res = None
-    if use_engine:
-      try:
-        res = model.generate([args.prompt], max_bytes=args.max_bytes, **kw)
-      except Exception as e:  # pylint: disable=broad-except
-        print(f"(model.generate failed: {type(e).__name__}: {e}; using the reference loop)")
-    if res is not None:
-      steps = len(res.accepted_per_step[0])
-      nbytes = len(res.ids[0])
-      print(f"== {title} [model.generate] ==")
-      print(args.prompt + res.texts[0])
-      extra = ""
-      if kw["mode"] != "ntp":
-        extra = f", acceptance {res.acceptance_rate:.2f}, bytes/step histogram {res.histogram}"
-      print(
-        f"-- {nbytes} bytes in {steps} steps ({nbytes / max(steps, 1):.2f} bytes/step{extra})\n"
-      )
-    else:
-      if kw["mode"] != "ntp":
-        title = f"multi-byte (threshold, tau={args.tau}, n=2)"
-      res = reference_loop(model, args.prompt, args.max_bytes, tau)
-      print(f"== {title} [reference loop: full forward per step] ==")
-      print(args.prompt + res["text"])
-      print(
-        f"-- {res['bytes']} bytes in {res['steps']} steps "
-        f"({res['bytes'] / max(res['steps'], 1):.2f} bytes/step)\n"
-      )
+    _reference_sections(model, args)
 
   if use_engine and args.temperature > 0:
     # Greedy decoding of a model this small falls into loops; a sample shows what it learned.
@@ -271,15 +381,107 @@ def main(argv=None):
     except Exception as e:  # pylint: disable=broad-except
       print(f"(sampling failed: {type(e).__name__}: {e})\n")
 
-  print("== learned segmentation ('|' after a byte that closes its group) ==")
-  print(segmentation(model, args.sentence))
-  held = heldout_snippet(args.heldout_bytes)
-  if held and cfg.hierarchical:
-    print(
-      f"\n== segmentation of held-out text (first {len(held.encode())} bytes of a held-out paragraph) =="
-    )
-    print(segmentation(model, held).replace("\n", "\\n", held.count("\n")))
+  curve = args.curve
+  if curve is None:
+    has_metrics = os.path.isfile(os.path.join(args.checkpoint, "metrics.jsonl"))
+    curve = os.path.join(args.checkpoint, "loss_curve.png") if has_metrics else ""
+  if curve:
+    from lca_jax.eval import curves  # pylint: disable=g-import-not-at-top
+
+    try:
+      path = curves.write_loss_curve(args.checkpoint, curve)
+      print(f"== loss curve (bits per byte vs step, both heads) ==\n{path}")
+    except (OSError, ImportError) as e:
+      print(f"(loss curve not written: {type(e).__name__}: {e})")
   return 0
+
+
+def _engine_sections(model, args):
+  """ntp, verify (with the identity check) and threshold through ``model.generate``."""
+  cfg = model.cfg
+  kw = dict(max_bytes=args.max_bytes, temperature=0.0)
+  try:
+    ntp, ntp_bps = timed_generate(model, args.prompt, args.repeats, mode="ntp", **kw)
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"(model.generate failed: {type(e).__name__}: {e}; using the reference loop)")
+    _reference_sections(model, args)
+    return None
+  print("== next-byte (ntp) [model.generate] ==")
+  print(args.prompt + ntp.texts[0])
+  print(_stats_line(ntp, ntp_bps, args.repeats))
+  print(
+    "-- Greedy next-byte decoding, one byte per step: the reference text and speed the "
+    "multi-byte modes below are measured against.\n"
+  )
+  if not cfg.has_mbp:
+    print("(no multi-byte head in this model: verify and threshold decoding skipped)\n")
+    return None
+
+  try:
+    ver, ver_bps = timed_generate(model, args.prompt, args.repeats, mode="verify", n=args.n, **kw)
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"(model.generate failed in verify mode: {type(e).__name__}: {e})\n")
+    ver = None
+  if ver is not None:
+    print(f"== multi-byte (verify, n={args.n}) [model.generate] ==")
+    print(args.prompt + ver.texts[0])
+    print(_stats_line(ver, ver_bps, args.repeats))
+    diff = first_difference(ntp.ids[0], ver.ids[0])
+    if diff < 0:
+      print(f"ntp and verify texts identical: yes (all {len(ntp.ids[0])} bytes compared)")
+    else:
+      print(f"ntp and verify texts identical: NO (first difference at generated byte {diff})")
+    ratio = ver_bps / ntp_bps if ntp_bps > 0 else float("nan")
+    print(
+      f"-- verify drafts {args.n} bytes per step with the multi-byte head and keeps those the "
+      f"next-byte head agrees with, so its greedy text must equal ntp's; here it ran at "
+      f"{ratio:.2f}x ntp's bytes/s, {'faster' if ratio > 1 else 'slower'} because "
+      f"{ver.acceptance_rate:.0%} of drafted bytes were kept at "
+      f"{len(ver.ids[0]) / max(len(ver.accepted_per_step[0]), 1):.2f} bytes per (longer) step.\n"
+    )
+
+  thr = None
+  for tau in _tau_ladder(args.tau):
+    try:
+      thr, thr_bps = timed_generate(
+        model, args.prompt, args.repeats, mode="threshold", tau=tau, n=args.n, **kw
+      )
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"(model.generate failed in threshold mode: {type(e).__name__}: {e})\n")
+      return None
+    print(f"== multi-byte (threshold, tau={tau}, n={args.n}) [model.generate] ==")
+    print(args.prompt + thr.texts[0])
+    print(_stats_line(thr, thr_bps, args.repeats))
+    if thr.acceptance_rate > 0:
+      break
+    print(f"-- At tau {tau} the multi-byte head was never that sure: nothing accepted.\n")
+  if thr is not None and thr.acceptance_rate > 0:
+    diff = first_difference(ntp.ids[0], thr.ids[0])
+    where = "never differs from ntp" if diff < 0 else f"leaves ntp's text at byte {diff}"
+    ratio = thr_bps / ntp_bps if ntp_bps > 0 else float("nan")
+    print(
+      f"-- threshold takes the multi-byte head's guesses unchecked when p >= {tau}: it accepted "
+      f"{thr.acceptance_rate:.0%} of them ({ratio:.2f}x ntp's bytes/s) and so {where}: "
+      "faster where the head is sure, approximate by design.\n"
+    )
+  return None
+
+
+def _reference_sections(model, args):
+  """The full-forward reference loop: ntp and threshold (n = 2); verify needs the engine."""
+  modes = [("next-byte (ntp)", None)]
+  if model.cfg.has_mbp:
+    modes.append((f"multi-byte (threshold, tau={args.tau}, n=2)", args.tau))
+  for title, tau in modes:
+    res = reference_loop(model, args.prompt, args.max_bytes, tau)
+    print(f"== {title} [reference loop: full forward per step] ==")
+    print(args.prompt + res["text"])
+    print(
+      f"-- {res['bytes']} bytes in {res['steps']} steps "
+      f"({res['bytes'] / max(res['steps'], 1):.2f} bytes/step)\n"
+    )
+  if model.cfg.has_mbp:
+    print("(verify decoding needs the cached engine, lca_jax.decode: skipped)\n")
 
 
 if __name__ == "__main__":
