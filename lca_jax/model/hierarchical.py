@@ -61,6 +61,7 @@ class ByteLM(nn.Module):
       dtype=dt,
       dropout=c.dropout,
       remat=c.remat,
+      rope_len=c.max_seq_len,
     )
     self.token_embedding = nn.Embed(
       c.vocab_size,

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NEG_INF = -1e30
 Dtype = Any
@@ -63,13 +64,39 @@ class RMSNorm(nn.Module):
     return (y * scale).astype(x.dtype)
 
 
-def rope(x_BTHE, positions_BT, base: float):
-  """Rotate-half RoPE with cos/sin over cat(freqs, freqs) (upstream layout)."""
+def rope_tables(length: int, head_dim: int, base: float):
+  """cos / sin of RoPE for positions 0 .. length-1, float32 [length, E] (cat(freqs, freqs)),
+  computed on the host when the model is traced: a jitted step then gathers rows instead of
+  evaluating cos and sin, which XLA otherwise recomputes inside every fusion that reads them
+  (per head, forward and backward)."""
+  e = head_dim
+  inv_freq = (1.0 / (np.float32(base) ** (np.arange(0, e, 2, dtype=np.float32) / e))).astype(
+    np.float32
+  )
+  freqs = np.arange(length, dtype=np.float32)[:, None] * inv_freq
+  emb = np.concatenate([freqs, freqs], axis=-1)
+  return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+def rope(x_BTHE, positions_BT, base: float, max_len: int = 0):
+  """Rotate-half RoPE with cos/sin over cat(freqs, freqs) (upstream layout).
+
+  ``max_len`` > 0: cos / sin come from ``rope_tables`` for positions below
+  max(max_len, T) + 2 (the model's context, or this call's length, plus the latent stack's
+  null slot); a position past the table gives NaN, never a wrong rotation. 0: computed here."""
   e = x_BTHE.shape[-1]
-  inv_freq = 1.0 / (base ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
-  freqs = positions_BT.astype(jnp.float32)[..., None] * inv_freq
-  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(emb), jnp.sin(emb)
+  if max_len > 0:
+    n = max(max_len, x_BTHE.shape[1]) + 2
+    tables = rope_tables(n, e, base)
+    take = lambda tab: jnp.take(
+      jnp.asarray(tab), positions_BT, axis=0, mode="fill", fill_value=jnp.nan
+    )[:, :, None, :]
+    cos, sin = take(tables[0]), take(tables[1])
+  else:
+    inv_freq = 1.0 / (base ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
+    freqs = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
   xf = x_BTHE.astype(jnp.float32)
   x1, x2 = jnp.split(xf, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -154,6 +181,7 @@ class Attention(nn.Module):
   rope_base: float
   dtype: Dtype = jnp.float32
   dropout: float = 0.0
+  rope_len: int = 0  # RoPE table rows (the model's context, see ``rope``); 0 = computed inline
 
   @nn.compact
   def __call__(
@@ -186,8 +214,8 @@ class Attention(nn.Module):
     q = dense(h * e, "q_proj", ("embed", "heads"), self.dtype)(x_BTD).reshape(b, t, h, e)
     k = dense(kv * e, "k_proj", ("embed", "kv"), self.dtype)(x_BTD).reshape(b, t, kv, e)
     v = dense(kv * e, "v_proj", ("embed", "kv"), self.dtype)(x_BTD).reshape(b, t, kv, e)
-    q = rope(q, positions_BT, self.rope_base)
-    k = rope(k, positions_BT, self.rope_base)
+    q = rope(q, positions_BT, self.rope_base, self.rope_len)
+    k = rope(k, positions_BT, self.rope_base, self.rope_len)
     if cache is not None:
       k_h, v_h = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1)  # [B, K, T, E], [B, K, E, T]
       s_len = cache[0].shape[2]
@@ -238,6 +266,7 @@ class Block(nn.Module):
   eps: float = 1e-6
   dtype: Dtype = jnp.float32
   dropout: float = 0.0
+  rope_len: int = 0
 
   @nn.compact
   # Not keyword-only: Stack's remat path passes every argument positionally (static_argnums
@@ -261,6 +290,7 @@ class Block(nn.Module):
       self.rope_base,
       self.dtype,
       self.dropout,
+      self.rope_len,
       name="attn",
     )
     y, kv = attn(
@@ -294,6 +324,7 @@ class Stack(nn.Module):
   dtype: Dtype = jnp.float32
   dropout: float = 0.0
   remat: bool = False
+  rope_len: int = 0
 
   @nn.compact
   def __call__(
@@ -320,6 +351,7 @@ class Stack(nn.Module):
         self.eps,
         self.dtype,
         self.dropout,
+        self.rope_len,
         name=f"layer_{i}",
       )
       cache = None if caches is None else caches[i]
