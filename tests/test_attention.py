@@ -119,6 +119,46 @@ def test_schedule_skips_masked_tiles():
   assert int(tiles_visited(lo, bq, bq + 8)) > n
 
 
+@pytest.mark.parametrize("kind", ["causal_one", "causal_packed", "lca", "padded"])
+def test_unmasked_tile_range_is_exactly_unmasked(kind):
+  """Every tile of [full_lo, full_hi) is allowed for every query of its block (so skipping the
+  mask there is exact), and on one causal document only the diagonal tile is masked."""
+  t, bq, bk = 100, 16, 16
+  rng = np.random.default_rng(3)
+  one = jnp.ones((2, t), jnp.int32)
+  if kind == "causal_one":
+    doc, lo = one, masks.causal_key_start(one)
+  elif kind == "causal_packed":
+    doc = jnp.asarray(np.r_[np.ones(60), np.full(40, 2)][None].repeat(2, 0), jnp.int32)
+    lo = masks.causal_key_start(doc)
+  elif kind == "lca":
+    doc, bk = one, 24
+    grp = jnp.asarray(np.cumsum(rng.random((2, t)) < 0.1, axis=1), jnp.int32)
+    lo = masks.lca_key_start(grp, doc)
+  else:
+    doc = jnp.asarray(np.r_[np.ones(70), np.zeros(30)][None].repeat(2, 0), jnp.int32)
+    lo = masks.causal_key_start(doc)
+  sch = schedule(lo, bq, bk)
+  lo_np = np.asarray(lo)
+  n_full = 0
+  for n in range(len(sch.start_N)):
+    a, z = int(sch.full_lo_N[n]), int(sch.full_hi_N[n])
+    assert 0 <= a <= z <= int(sch.n_tiles_N[n])
+    for j in range(a, z):
+      k0 = int(sch.start_N[n]) + j * bk
+      q = np.arange(n * bq, min((n + 1) * bq, t))
+      assert len(q) == bq  # a block with padded queries has no unmasked tile
+      keys = np.arange(k0, k0 + bk)
+      ok = (keys[None, None] >= lo_np[:, q, None]) & (keys[None, None] <= q[None, :, None])
+      assert ok.all(), (kind, n, j)
+      n_full += 1
+  if kind == "causal_one":
+    assert np.asarray(sch.full_hi_N).tolist() == list(range(len(sch.start_N) - 1)) + [0]
+  if kind == "padded":  # queries past the last document have no key: their blocks are masked
+    assert int(sch.full_hi_N[-1]) == 0
+  assert n_full > 0 or kind == "lca"
+
+
 def _model_batch(t):
   rng = np.random.default_rng(5)
   doc, pos = segmented_layout((t // 2, t // 4, t // 8), t)

@@ -44,10 +44,16 @@ def _pad_lo(lo_BT, length):
 
 
 class Schedule(NamedTuple):
-  """Per query block: first key of its first tile and the number of tiles it visits."""
+  """Per query block: first key of its first tile, the number of tiles it visits, and the
+  range [full_lo, full_hi) of those tiles that no row of the block masks (every key of the
+  tile is allowed for every query: the block has no empty row, the tile starts at or after
+  every row's ``lo`` and ends at or before the block's first query). Those tiles skip the
+  mask; the others apply it. The order of tiles, hence the result, is the same."""
 
   start_N: jax.Array  # int32 [N]
   n_tiles_N: jax.Array  # int32 [N]
+  full_lo_N: jax.Array  # int32 [N]
+  full_hi_N: jax.Array  # int32 [N]
 
 
 def schedule(lo_BT: jax.Array, block_q: int, block_k: int) -> Schedule:
@@ -60,7 +66,26 @@ def schedule(lo_BT: jax.Array, block_q: int, block_k: int) -> Schedule:
   first_N = jnp.min(jnp.where(nonempty_BT, lo, t).reshape(b, n, block_q), axis=(0, 2))
   end_N = jnp.max(jnp.where(nonempty_BT, pos_T + 1, 0).reshape(b, n, block_q), axis=(0, 2))
   tiles_N = jnp.where(end_N > first_N, -(-(end_N - first_N) // block_k), 0)
-  return Schedule(jnp.minimum(first_N, t).astype(jnp.int32), tiles_N.astype(jnp.int32))
+  start_N = jnp.minimum(first_N, t)
+  # unmasked tiles: keys in [max lo, first query of the block], all rows non-empty
+  full_N = jnp.all(nonempty_BT.reshape(b, n, block_q), axis=(0, 2))
+  max_lo_N = jnp.max(jnp.where(nonempty_BT, lo, 0).reshape(b, n, block_q), axis=(0, 2))
+  q0_N = jnp.arange(n, dtype=jnp.int32) * block_q
+  hi_N = jnp.clip((q0_N + 1 - start_N) // block_k, 0, tiles_N)
+  lo_N = jnp.clip(-(-(max_lo_N - start_N) // block_k), 0, hi_N)
+  hi_N = jnp.where(full_N, hi_N, 0)
+  lo_N = jnp.where(full_N, lo_N, 0)
+  i32 = lambda x: x.astype(jnp.int32)
+  return Schedule(i32(start_N), i32(tiles_N), i32(lo_N), i32(hi_N))
+
+
+def _tile_loops(sched: Schedule, n, masked_body, full_body, init):
+  """Run block ``n``'s tiles in order: masked ones before and after [full_lo, full_hi), the
+  unmasked ones between."""
+  a, z, e = sched.full_lo_N[n], sched.full_hi_N[n], sched.n_tiles_N[n]
+  c = lax.fori_loop(0, a, masked_body, init)
+  c = lax.fori_loop(a, z, full_body, c)
+  return lax.fori_loop(z, e, masked_body, c)
 
 
 def tiles_visited(lo_BT: jax.Array, block_q: int, block_k: int) -> jax.Array:
@@ -129,10 +154,11 @@ def _forward(blocks: _Blocks, t, block_q, block_k, scale):
   def per_block(n):
     q_n, lo_n = blocks.q_NBKGQE[n], blocks.lo_NBQ[n]
 
-    def body(tile, carry):
+    def body(tile, carry, masked=True):
       m, l, acc = carry
       s, mask, _, v_t, _ = _tile(blocks, n, tile, q_n, lo_n, block_q, block_k, scale)
-      s = jnp.where(mask, s, NEG_INF)
+      if masked:
+        s = jnp.where(mask, s, NEG_INF)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1))
       # A row with no key so far keeps m = NEG_INF; subtracting 0 there makes its masked
       # scores exp(NEG_INF) = 0 without a second select over the tile.
@@ -151,7 +177,8 @@ def _forward(blocks: _Blocks, t, block_q, block_k, scale):
       jnp.zeros(shape, jnp.float32),
       jnp.zeros(shape + (e,), jnp.float32),
     )
-    m, l, acc = lax.fori_loop(0, blocks.sched.n_tiles_N[n], body, init)
+    full = functools.partial(body, masked=False)
+    m, l, acc = _tile_loops(blocks.sched, n, body, full, init)
     empty = l == 0.0
     out = acc / jnp.where(empty, 1.0, l)[..., None]
     lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
@@ -174,10 +201,12 @@ def _backward(blocks: _Blocks, out_BTHE, lse, do_BTHE, block_q, block_k, scale):
     q_n, lo_n, do_n = blocks.q_NBKGQE[n], blocks.lo_NBQ[n], do_NBKGQE[n]
     lse_n, delta_n = lse[n], delta_NBKGQ[n]
 
-    def body(tile, c):
+    def body(tile, c, masked=True):
       dq, dk, dv = c
       s, mask, k_t, v_t, s0 = _tile(blocks, n, tile, q_n, lo_n, block_q, block_k, scale)
-      p = jnp.where(mask, jnp.exp(s - lse_n[..., None]), 0.0)
+      p = jnp.exp(s - lse_n[..., None])
+      if masked:
+        p = jnp.where(mask, p, 0.0)
       dv_t = jnp.einsum(
         "bkgqs,bkgqe->bkse", p.astype(do_n.dtype), do_n, preferred_element_type=jnp.float32
       )
@@ -192,7 +221,8 @@ def _backward(blocks: _Blocks, out_BTHE, lse, do_BTHE, block_q, block_k, scale):
 
     dk, dv = carry
     dq0 = jnp.zeros(q_n.shape, jnp.float32)
-    dq, dk, dv = lax.fori_loop(0, blocks.sched.n_tiles_N[n], body, (dq0, dk, dv))
+    full = functools.partial(body, masked=False)
+    dq, dk, dv = _tile_loops(blocks.sched, n, body, full, (dq0, dk, dv))
     return (dk, dv), dq
 
   zeros = jnp.zeros(blocks.k_BKSE.shape, jnp.float32)
