@@ -182,6 +182,22 @@ def run_cli(capsys, workdir, *overrides):
   return code, err
 
 
+def test_cli_full_disk_for_metrics_stops_in_one_line(tmp_path, capsys):
+  """metrics.jsonl on a full device (/dev/full: every write fails with ENOSPC): exit 2, one
+  line naming the file and the problem, no traceback."""
+  if not os.path.exists("/dev/full"):
+    pytest.skip("no /dev/full")
+  wd = tmp_path / "w"
+  wd.mkdir()
+  os.symlink("/dev/full", wd / "metrics.jsonl")
+  code, err = run_cli(capsys, wd, "train.steps=2")
+  last = err.splitlines()[-1]
+  assert code == 2, err
+  assert last.startswith("lca-train: error: cannot append step 1 to "), err
+  assert "metrics.jsonl" in last and "No space left on device" in last, err
+  assert "Traceback" not in err, err
+
+
 def test_cli_unknown_config_key(tmp_path, capsys):
   code, err = run_cli(capsys, tmp_path, "train.no_such_key=3")
   assert code == 2 and "unknown config key: train.no_such_key" in err

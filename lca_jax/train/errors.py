@@ -17,3 +17,8 @@ class TrainError(LcaError, RuntimeError):
 
 class NonFiniteLossError(TrainError):
   """The loss (or gradient norm) became NaN/inf; the run stopped without checkpointing it."""
+
+
+class MetricsWriteError(TrainError):
+  """metrics.jsonl / eval.jsonl could not be appended to (disk full, unwritable): the run stops
+  in one line; the checkpoints already written stay valid and a resume drops any torn line."""

@@ -53,6 +53,7 @@ import jax
 from tqdm.auto import tqdm
 
 from lca_jax.model.config import ModelConfig
+from lca_jax.train.errors import MetricsWriteError
 
 # Dense bf16 peak FLOP/s per device, matched against ``device.device_kind`` (lower case).
 PEAK_FLOPS = (
@@ -194,8 +195,14 @@ class MetricsWriter:
         self.tb = None
 
   def _append(self, path, record):
-    with open(path, "a", encoding="utf-8") as f:
-      f.write(json.dumps(record, allow_nan=False) + "\n")  # strict JSON: _clean made NaN None
+    line = json.dumps(record, allow_nan=False) + "\n"  # strict JSON: _clean made NaN None
+    try:
+      with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+    except OSError as e:  # disk full, unwritable: a torn last line is dropped on resume
+      raise MetricsWriteError(
+        f"cannot append step {record['step']} to {path}: {e.strerror or e}"
+      ) from None
 
   def write_train(self, step: int, values: dict):
     if not self.active:
