@@ -79,6 +79,11 @@ def schedule(lo_BT: jax.Array, block_q: int, block_k: int) -> Schedule:
   return Schedule(i32(start_N), i32(tiles_N), i32(lo_N), i32(hi_N))
 
 
+# Tile loops per query block (masked, unmasked, masked): XLA's cost analysis counts each loop
+# body once, whatever its trip count (train/costs.py corrects for the tiles really run).
+LOOPS_PER_BLOCK = 3
+
+
 def _tile_loops(sched: Schedule, n, masked_body, full_body, init):
   """Run block ``n``'s tiles in order: masked ones before and after [full_lo, full_hi), the
   unmasked ones between."""
