@@ -469,12 +469,19 @@ def _engine_sections(model, args):
     print(f"-- At tau {tau} the multi-byte head was never that sure: nothing accepted.\n")
   if thr is not None and thr.acceptance_rate > 0:
     diff = first_difference(ntp.ids[0], thr.ids[0])
-    where = "never differs from ntp" if diff < 0 else f"leaves ntp's text at byte {diff}"
+    where = "never differs from ntp's" if diff < 0 else f"leaves ntp's at byte {diff}"
     ratio = thr_bps / thr_ntp_bps if thr_ntp_bps > 0 else float("nan")
+    thr_bpstep = len(thr.ids[0]) / max(len(thr.accepted_per_step[0]), 1)
+    speed = (
+      "faster than ntp here"
+      if ratio > 1
+      else f"still slower than ntp here (a threshold step costs {thr_bpstep / ratio:.1f} ntp steps)"
+    )
     print(
       f"-- threshold takes the multi-byte head's guesses unchecked when p >= {tau}: it accepted "
-      f"{thr.acceptance_rate:.0%} of them ({ratio:.2f}x ntp's bytes/s) and so {where}: "
-      "faster where the head is sure, approximate by design.\n"
+      f"{thr.acceptance_rate:.0%} of them, {thr_bpstep:.2f} bytes per step at {ratio:.2f}x ntp's "
+      f"bytes/s, {speed}, and its text {where}: approximate by design, and only as good as "
+      "guesses that sure.\n"
     )
   return None
 
