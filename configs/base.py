@@ -90,8 +90,8 @@ def paper_model(**overrides) -> ml_collections.ConfigDict:
 
 
 def tiny_model(**overrides) -> ml_collections.ConfigDict:
-  """A CPU-sized model (~0.36M params): `make demo` trains it (tiny_config) in a few minutes on
-  2 cores. max_latent_ratio 0 (auto, ModelConfig.latent_ratio) sizes the latent stack from the
+  """A CPU-sized model (~0.36M params; the tiny_* configs and the tests; configs/demo.py, the
+  `make demo` model, widens it) that trains in a few minutes on 2 cores. max_latent_ratio 0 (auto, ModelConfig.latent_ratio) sizes the latent stack from the
   boundary prior (0.5 slots per byte at T 128; learned groups average ~3 bytes)."""
   kw = dict(
     d_model=64,
@@ -115,7 +115,7 @@ def paper_config(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 def tiny_config(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """CPU-sized training (`make demo`: ~1M bytes in a few minutes on 2 cores).
+  """CPU-sized training (~1M bytes in a few minutes on 2 cores; configs/demo.py starts here).
 
   * 4 rows x 128 bytes per step, 2000 steps (~1M bytes): per byte, 4x128 costs about what
     8x128 does on CPU (2x256 ~1.5x, 2x512 ~2.7x more), and at equal bytes the smaller, more
