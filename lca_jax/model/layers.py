@@ -78,25 +78,30 @@ def rope_tables(length: int, head_dim: int, base: float):
   return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
 
 
-def rope(x_BTHE, positions_BT, base: float, max_len: int = 0):
-  """Rotate-half RoPE with cos/sin over cat(freqs, freqs) (upstream layout).
+def rope_cos_sin(positions_BT, head_dim: int, base: float, max_len: int = 0):
+  """cos / sin [B, T, 1, E] of RoPE at ``positions`` (cat(freqs, freqs), upstream layout), for
+  ``rope`` to apply to the queries and the keys of one call.
 
-  ``max_len`` > 0: cos / sin come from ``rope_tables`` for positions below
-  max(max_len, T) + 2 (the model's context, or this call's length, plus the latent stack's
-  null slot); a position past the table gives NaN, never a wrong rotation. 0: computed here."""
-  e = x_BTHE.shape[-1]
+  ``max_len`` > 0: gathered from ``rope_tables`` for positions below max(max_len, T) + 2 (the
+  model's context, or this call's length, plus the latent stack's null slot); a position past
+  the table gives NaN, never a wrong rotation. 0: computed here."""
+  e = head_dim
   if max_len > 0:
-    n = max(max_len, x_BTHE.shape[1]) + 2
-    tables = rope_tables(n, e, base)
+    n = max(max_len, positions_BT.shape[1]) + 2
     take = lambda tab: jnp.take(
       jnp.asarray(tab), positions_BT, axis=0, mode="fill", fill_value=jnp.nan
     )[:, :, None, :]
-    cos, sin = take(tables[0]), take(tables[1])
-  else:
-    inv_freq = 1.0 / (base ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
-    freqs = positions_BT.astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    cos, sin = rope_tables(n, e, base)
+    return take(cos), take(sin)
+  inv_freq = 1.0 / (base ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
+  freqs = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def rope(x_BTHE, cos_sin):
+  """Rotate-half RoPE of x [B, T, H, E] with ``rope_cos_sin``'s (cos, sin)."""
+  cos, sin = cos_sin
   xf = x_BTHE.astype(jnp.float32)
   x1, x2 = jnp.split(xf, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -214,8 +219,9 @@ class Attention(nn.Module):
     q = dense(h * e, "q_proj", ("embed", "heads"), self.dtype)(x_BTD).reshape(b, t, h, e)
     k = dense(kv * e, "k_proj", ("embed", "kv"), self.dtype)(x_BTD).reshape(b, t, kv, e)
     v = dense(kv * e, "v_proj", ("embed", "kv"), self.dtype)(x_BTD).reshape(b, t, kv, e)
-    q = rope(q, positions_BT, self.rope_base, self.rope_len)
-    k = rope(k, positions_BT, self.rope_base, self.rope_len)
+    cos_sin = rope_cos_sin(positions_BT, e, self.rope_base, self.rope_len)  # once for q and k
+    q = rope(q, cos_sin)
+    k = rope(k, cos_sin)
     if cache is not None:
       k_h, v_h = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1)  # [B, K, T, E], [B, K, E, T]
       s_len = cache[0].shape[2]
