@@ -39,9 +39,8 @@ if _cache not in ("", "0"):
   jax.config.update("jax_compilation_cache_dir", _cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-# Tiny training overrides shared by the training/checkpoint tests (one compiled train step).
-# decay_steps is fixed so that runs of different lengths share one schedule (and one compile).
-TRAIN_TINY = [
+# The tiny model and rows of the training tests (and of the demo's test run).
+TINY_SHAPE = [
   "model.d_model=32",
   "model.d_inner=64",
   "model.n_heads=2",
@@ -50,6 +49,11 @@ TRAIN_TINY = [
   "model.n_mbp=1",
   "data.seq_len=32",
   "train.micro_batch_size=8",
+]
+
+# Tiny training overrides shared by the training/checkpoint tests (one compiled train step).
+# decay_steps is fixed so that runs of different lengths share one schedule (and one compile).
+TRAIN_TINY = TINY_SHAPE + [
   "train.global_batch_bytes=512",
   "train.log_every=1",
   "train.eval_every=0",

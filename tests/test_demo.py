@@ -10,7 +10,7 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import load_tool
+from conftest import TINY_SHAPE, load_tool
 
 from lca_jax import configs_io
 from lca_jax.cli import train as train_cli
@@ -24,15 +24,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 # configs/demo.py shrunk to seconds: one stage layer each, 32-byte rows, 4 steps, a 2-batch eval
-SHRINK = [
-  "model.d_model=32",
-  "model.d_inner=64",
-  "model.n_heads=2",
-  "model.n_kv_heads=2",
-  "model.n_lm=1",
-  "model.n_mbp=1",
-  "data.seq_len=32",
-  "train.micro_batch_size=8",
+SHRINK = TINY_SHAPE + [
   "train.global_batch_bytes=256",
   "train.steps=4",
   "train.log_every=1",
