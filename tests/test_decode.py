@@ -15,8 +15,8 @@ from conftest import assert_close_rel
 import lca_jax
 from lca_jax import vocab
 from lca_jax.api import Model
-from lca_jax.decode import cache, engine
-from lca_jax.model import pooling
+from lca_jax.decode import engine, policies, sampling
+from lca_jax.model import incremental, pooling
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import ByteLM, init_params
 
@@ -134,16 +134,16 @@ def test_cache_parity_per_step(name, monkeypatch):
   window = name == "lca_window"
   if window:
     name = "lca"
-    monkeypatch.setattr(cache, "MBP_WINDOW", 13)
+    monkeypatch.setattr(incremental, "MBP_WINDOW", 13)
   model = tiny_model(name, factor=4.0)
   cfg = model.cfg
   rng = np.random.default_rng(1)
   b, t = 2, 40
   ids = np.stack([random_ids(rng, t) for _ in range(b)])
   c = 3 if cfg.has_lca else 0  # threshold mode's copies computed inside extend
-  st = jax.jit(lambda: cache.init_state(cfg, model.params, b, 64, True, c))()
-  ext = jax.jit(lambda st, x, k: cache.extend(cfg, model.params, st, x, k, True, c))
-  cop = jax.jit(lambda st: cache.mbp_copies(cfg, model.params, st, 3))
+  st = jax.jit(lambda: incremental.init_state(cfg, model.params, b, 64, True, c))()
+  ext = jax.jit(lambda st, x, k: incremental.extend(cfg, model.params, st, x, k, True, c))
+  cop = jax.jit(lambda st: incremental.mbp_copies(cfg, model.params, st, 3))
   pos = np.zeros(b, int)
   chunks = [[5, 3], [1, 4], [3, 1], [9, 2], [2, 9], [4, 4], [1, 7]]
   # by causality the full forward over the whole rows gives every prefix's logits
@@ -191,12 +191,12 @@ def test_rollback_equals_shorter_extend():
   cfg = model.cfg
   rng = np.random.default_rng(2)
   ids = random_ids(rng, 30)[None]
-  ext = jax.jit(lambda st, x, k: cache.extend(cfg, model.params, st, x, k, True))
-  st0 = jax.jit(lambda: cache.init_state(cfg, model.params, 1, 48, True))()
+  ext = jax.jit(lambda st, x, k: incremental.extend(cfg, model.params, st, x, k, True))
+  st0 = jax.jit(lambda: incremental.init_state(cfg, model.params, 1, 48, True))()
   pad = lambda a: jnp.asarray(np.pad(a, ((0, 0), (0, 20 - a.shape[1]))))
   st0, _ = ext(st0, pad(ids[:, :20]), jnp.array([20]))
   long, out = ext(st0, pad(ids[:, 20:26]), jnp.array([6]))
-  rolled = jax.jit(cache.rollback)(long, st0, out, jnp.array([3]))
+  rolled = jax.jit(incremental.rollback)(long, st0, out, jnp.array([3]))
   short, _ = ext(st0, pad(ids[:, 20:23]), jnp.array([3]))
   for f in ("length", "n_closed", "open_cnt", "open_sum", "last_nt", "last_mbp"):
     assert_close_rel(getattr(rolled, f), getattr(short, f), err_msg=f)
@@ -289,13 +289,15 @@ def test_speculative_sampling_matches_next_byte_distribution():
     ignore_eos=True,
   )
   pairs = np.array([x[:2] for x in r.ids])
-  sp = engine.SamplingParams(jnp.float32(1.0), jnp.int32(3), jnp.float32(1.0))
-  p1 = np.exp(np.asarray(engine.log_probs(model.forward(prompt)["ntp_logits"][-1], sp)))
+  sp = sampling.SamplingParams(jnp.float32(1.0), jnp.int32(3), jnp.float32(1.0))
+  p1 = np.exp(np.asarray(sampling.log_probs(model.forward(prompt)["ntp_logits"][-1], sp)))
   expected, observed = [], []
   for a in np.nonzero(p1 > 0)[0]:
     p2 = np.exp(
       np.asarray(
-        engine.log_probs(model.forward(np.append(prompt, a).astype(np.int32))["ntp_logits"][-1], sp)
+        sampling.log_probs(
+          model.forward(np.append(prompt, a).astype(np.int32))["ntp_logits"][-1], sp
+        )
       )
     )
     for b in np.nonzero(p2 > 0)[0]:
@@ -308,6 +310,44 @@ def test_speculative_sampling_matches_next_byte_distribution():
 
   assert stats.chi2.sf(chi2, len(expected) - 1) > 1e-3, (observed, expected)
   assert r.acceptance_rate > 0
+
+
+class _AlwaysPair(policies.Policy):
+  """A toy mode: the next byte and the first MBP candidate, both always accepted."""
+
+  name = "toy_pair"
+  target_mbp = True
+
+  def propose(self, ctx, loop, k_draft, k_acc):
+    d, _, _, _ = policies.draft(
+      ctx.cfg, ctx.params, loop.st, ctx.plan, k_draft, ctx.sp, loop.pending
+    )
+    two = jnp.full_like(loop.pending, 2)
+    return policies.Proposal(d, two, jnp.where(loop.done, 0, 1), jnp.full_like(two, -1))
+
+  def commit(self, ctx, loop, prop, a_B, done_B):
+    st, _ = incremental.extend(ctx.cfg, ctx.params, loop.st, prop.d_BK, a_B, True, last_only=True)
+    return loop.replace(st=st), jnp.maximum(a_B - 1, 0)
+
+
+def test_a_registered_policy_runs_in_the_unchanged_loop():
+  """A new mode is one registered class: generate accepts it, the loop (eos / budget cut,
+  counters) is the engine's; it decodes what threshold at tau 0 decodes."""
+  model = tiny_model("lca")
+  with pytest.raises(engine.DecodeError, match="unknown mode 'toy_pair'"):
+    model.generate("ab", mode="toy_pair", n=2)
+  policies.register(_AlwaysPair())
+  try:
+    r = model.generate(["ab", "xyz"], mode="toy_pair", n=2, max_bytes=9, ignore_eos=True)
+    ref = model.generate(
+      ["ab", "xyz"], mode="threshold", tau=0.0, n=2, max_bytes=9, ignore_eos=True
+    )
+    for got, want in zip(r.ids, ref.ids):
+      np.testing.assert_array_equal(got, want)
+    assert r.accepted_per_step == [[2, 2, 2, 2, 1]] * 2
+    assert r.acceptance_rate == ref.acceptance_rate == 0.8  # the budget cuts the last pair
+  finally:
+    policies.POLICIES.pop("toy_pair")
 
 
 def test_clear_errors():

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from lca_jax.api import Model
-from lca_jax.decode import bounds, cache, engine
+from lca_jax.decode import bounds, engine
+from lca_jax.model import incremental
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import count_params, init_params
 
@@ -38,7 +39,7 @@ def test_cache_len_is_the_engine_length(mode, plens, max_bytes):
 def test_min_cache_bytes_is_the_smallest_cache_buffer(cfg):
   params = nn.unbox(init_params(cfg, jax.random.PRNGKey(0)))
   b, length = 3, 50
-  st = jax.eval_shape(lambda p: cache.init_state(cfg, p, b, length, True), params)
+  st = jax.eval_shape(lambda p: incremental.init_state(cfg, p, b, length, True), params)
   kv = [x for part in (st.enc, st.dec, st.mbp, st.lm) for x in jax.tree.leaves(part)]
   assert min(x.size * x.dtype.itemsize for x in kv) == bounds.min_cache_bytes(cfg, b, length)
 
@@ -70,7 +71,7 @@ def test_step_read_bytes_by_hand():
     kv_slot * ((LCA.n_enc + LCA.n_dec) * length + 0.25 * LCA.n_lm * (length + 1))
   )
   # verify, batch 2, 3 bytes fed per row: MBP stack + its window, 6 embedding rows
-  w = min(length, cache.MBP_WINDOW)
+  w = min(length, incremental.MBP_WINDOW)
   r = bounds.step_read_bytes(LCA, "verify", 2, 3, length, 0.25, 2.0)
   f = 1 - (1 - 0.5) ** 2
   assert r["lm_fraction"] == pytest.approx(f)

@@ -46,9 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lca_jax.decode import engine
-from lca_jax.decode.cache import MBP_WINDOW
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import init_params
+from lca_jax.model.incremental import MBP_WINDOW
 
 PARAM_ITEMSIZE = 4  # parameters stay float32 (ModelConfig.dtype is the compute dtype)
 MULTI_BYTE_MODES = ("threshold", "verify")  # modes whose steps run the model's own MBP head

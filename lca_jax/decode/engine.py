@@ -1,15 +1,9 @@
 """The decode engine: prefill, then one ``jax.lax.while_loop`` whose body is one decode step.
 
-Modes (docs/design.md §6.3) are small policies over the same cached ``extend``:
-  * ``ntp``: one byte per step from the next-byte head.
-  * ``threshold``: next byte from the NT head, then MBP candidates accepted left to right while
-    their probability is >= tau (n bytes proposed per step, n chosen at call time).
-  * ``verify``: the MBP head drafts, the NT head verifies in one extend of n bytes; greedy output
-    equals ``ntp`` exactly; with sampling, speculative sampling keeps the NT distribution.
-  * ``drafter``: a second model verifies what this (LCA-MBP or MLP-MBP) model drafts; the output
-    equals the verifier's own decoding.
-MLP-MBP models draft from their MLP heads in every multi-byte mode. Rows of a batch advance
-independently (ragged prompts, per-row acceptance, per-row stop at eos or the byte budget).
+The step is the same for every mode: the mode's policy (``decode.policies``: ntp, threshold,
+verify, drafter, or a registered one) drafts and feeds bytes through the incremental forward
+(``model.incremental``) and says how many each row accepts; the loop cuts them at eos and the
+byte budget, lets the policy commit them, streams them and counts. ``generate`` is the API.
 """
 
 from __future__ import annotations
@@ -18,19 +12,20 @@ import dataclasses
 import math
 import numbers
 import time
-from typing import Any, List, Sequence, Union
+from typing import Any, List, NamedTuple, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from lca_jax import vocab
-from lca_jax.decode import cache
-from lca_jax.decode.sampling import SamplingParams, choose, log_probs, speculative_accept
+from lca_jax.decode.policies import POLICIES, Ctx, LoopState, Plan
+from lca_jax.decode.sampling import SamplingParams
 from lca_jax.errors import LcaError
+from lca_jax.model import incremental
 from lca_jax.model.config import ModelConfig
 
-MODES = ("ntp", "threshold", "verify", "drafter")
+MODES = ("ntp", "threshold", "verify", "drafter")  # the built-in policies (decode.policies)
 MAX_N = 64  # most bytes proposed per step (``n``) in the multi-byte modes
 STOP_REASONS = ("eos", "max_bytes", "context", "steps")
 
@@ -87,13 +82,14 @@ def check_options(
   """The decoding options of ``generate`` checked (types, ranges, NaN) without a model; returns
   them normalized (Python ints / floats). Raises ``DecodeError`` naming the first bad one.
 
-  ``mode`` one of MODES; ``n`` in [2, MAX_N] in the multi-byte modes (ignored in ntp);
+  ``mode`` one of the registered policies (MODES and any added with
+  ``policies.register``); ``n`` in [2, MAX_N] in the multi-byte modes (ignored in ntp);
   ``max_bytes`` >= 1; ``tau`` in [0, 1]; ``temperature`` >= 0 (0 = greedy); ``top_k`` >= 0
   (0 = off); ``top_p`` in (0, 1]; ``seed`` and ``pad_to`` (>= 1) integers."""
-  if not isinstance(mode, str) or mode not in MODES:
-    raise DecodeError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+  if not isinstance(mode, str) or mode not in POLICIES:
+    raise DecodeError(f"unknown mode {mode!r}; choose one of {', '.join(POLICIES)}")
   n = _int_arg("n", n)
-  if mode != "ntp" and not 2 <= n <= MAX_N:
+  if POLICIES[mode].multi_byte and not 2 <= n <= MAX_N:
     raise DecodeError(
       f"n must be >= 2 in {mode} mode (bytes proposed per step), got {n}"
       if n < 2
@@ -135,219 +131,116 @@ def _is_model(m) -> bool:
   return isinstance(getattr(m, "cfg", None), ModelConfig) and hasattr(m, "params")
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """Everything static about a decode call (one compilation per Plan and shape)."""
-
-  mode: str
-  n: int
-  greedy: bool
-  ignore_eos: bool
-  max_bytes: int
-  source: str  # where candidates come from: "lca", "mlp" or "" (ntp)
-  stream: bool = False  # call the host sink with each step's committed bytes
-
-  @property
-  def max_steps(self) -> int:
-    return 2 * self.max_bytes + 2
-
-  @property
-  def copies_in_extend(self) -> int:
-    """Threshold mode never rolls back, so each extend also reads the next step's copies."""
-    return self.n - 2 if (self.mode == "threshold" and self.source == "lca") else 0
-
-  @property
-  def width(self) -> int:  # bytes fed per step
-    return 1 if self.mode == "ntp" else self.n
-
-
-def _leading(ok_BN):
-  return jnp.sum(jnp.cumprod(ok_BN.astype(jnp.int32), axis=-1), axis=-1)
-
-
-def _draft(cfg: ModelConfig, params, st, plan: Plan, key, sp, pending):
-  """n drafted bytes [B, n], their probabilities and draft log-probs [B, n, V]."""
-  k1, k2 = jax.random.split(key)
-  t1, p1, l1 = choose(st.last_nt, k1, sp, plan.greedy)
-  forced = pending >= 0
-  t1 = jnp.where(forced, pending, t1)
-  if plan.n == 1:
-    return t1[:, None], p1[:, None], l1[:, None], forced
-  if plan.source == "mlp":
-    cand = st.last_mlp[:, : plan.n - 1]
-  else:
-    cand = st.last_mbp[:, None]
-    if plan.n > 2:  # threshold mode computed the copies during the last extend
-      copies = (
-        st.last_copies if plan.copies_in_extend else cache.mbp_copies(cfg, params, st, plan.n - 2)
-      )
-      cand = jnp.concatenate([cand, copies], axis=1)
-  tc, pc, lc = choose(cand, k2, sp, plan.greedy)
-  return (
-    jnp.concatenate([t1[:, None], tc], 1),
-    jnp.concatenate([p1[:, None], pc], 1),
-    jnp.concatenate([l1[:, None], lc], 1),
-    forced,
-  )
-
-
-def _finalize(plan: Plan, d_BK, a_B, carry):
+def _finalize(plan: Plan, d_BK, a_B, loop: LoopState):
   """Cut each row's accepted bytes at eos (unless ignored) and at the byte budget."""
-  a = jnp.where(carry["done"], 0, a_B)
-  done = carry["done"]
+  a = jnp.where(loop.done, 0, a_B)
+  done = loop.done
   if not plan.ignore_eos:
     is_eos = (d_BK == vocab.EOS_ID) & (jnp.arange(d_BK.shape[1])[None] < a[:, None])
     first = jnp.argmax(is_eos, axis=1)
     hit = jnp.any(is_eos, axis=1)
     a = jnp.where(hit, first + 1, a)
     done = done | hit
-  a = jnp.minimum(a, plan.max_bytes - carry["gen"])
-  done = done | (carry["gen"] + a >= plan.max_bytes)
+  a = jnp.minimum(a, plan.max_bytes - loop.gen)
+  done = done | (loop.gen + a >= plan.max_bytes)
   return a, done
 
 
-_SINK = [None]
+class _Sink:
+  """Where one compiled executable's streamed bytes go (set for the duration of a call)."""
+
+  def __init__(self):
+    self.fn = None
+
+  def emit(self, d_BK, a_B):
+    if self.fn is not None:
+      self.fn([row[:k].tolist() for row, k in zip(d_BK, a_B)])
 
 
-def _emit(d_BK, a_B):
-  if _SINK[0] is not None:
-    _SINK[0]([row[:k].tolist() for row, k in zip(d_BK, a_B)])
-
-
-def _step(cfgs, params, plan: Plan, tau, sp, carry):
-  cfg, dcfg = cfgs
-  p_t, p_d = params
+def _step(ctx: Ctx, emit, loop: LoopState) -> LoopState:
+  plan = ctx.plan
   # the step's two keys were split for every step before the loop (one threefry call, not one
   # per step); greedy decoding uses none
-  k_draft, k_acc = carry["keys"][carry["step"]]
-  st, pending = carry["st"], carry["pending"]
-  new_pending = jnp.full_like(pending, -1)
-  width = plan.width
-  n_cand = jnp.zeros_like(pending)
-  if plan.mode == "drafter":
-    dst = carry["dst"]
-    d, _, lq, forced = _draft(dcfg, p_d, dst, plan, k_draft, sp, pending)
-    full = jnp.full_like(pending, width)
-    st_x, out = cache.extend(cfg, p_t, st, d, full, False)
-    target = jnp.concatenate([st.last_nt[:, None], out["nt_logits"]], axis=1)  # [B, n+1, V]
-    if plan.greedy:
-      best = jnp.argmax(target, axis=-1).astype(jnp.int32)
-      a = _leading(d == best[:, :width])
-      bonus = jnp.take_along_axis(best, a[:, None], 1)[:, 0]
-    else:
-      lp = log_probs(target, sp)
-      lq = lq.at[:, 0].set(jnp.where(forced[:, None], lp[:, 0], lq[:, 0]))
-      a, repl = speculative_accept(d, lq, lp[:, :width], k_acc)
-      tail = jax.random.categorical(jax.random.fold_in(k_acc, 1), lp[:, width]).astype(jnp.int32)
-      bonus = jnp.where(a < width, repl, tail)
-    a, done = _finalize(plan, d, a, carry)
-    st = cache.rollback(st_x, st, out, a)
-    dst, _ = cache.extend(dcfg, p_d, dst, d, a, True, last_only=True)
-    carry = dict(carry, dst=dst)
-    new_pending = jnp.where(done, -1, bonus)
-    n_cand = jnp.where(carry["done"], 0, width)
-    acc = a
-  elif plan.mode == "verify":
-    d, _, lq, forced = _draft(cfg, p_t, st, plan, k_draft, sp, pending)
-    full = jnp.full_like(pending, width)
-    st_x, out = cache.extend(cfg, p_t, st, d, full, True)
-    check = out["nt_logits"][:, : width - 1]  # position t+1+i predicts d_{i+2}
-    if plan.greedy:
-      a = 1 + _leading(d[:, 1:] == jnp.argmax(check, axis=-1))
-    else:
-      n_acc, repl = speculative_accept(d[:, 1:], lq[:, 1:], log_probs(check, sp), k_acc)
-      a = 1 + n_acc
-      new_pending = jnp.where(n_acc < width - 1, repl, -1)
-    a, done = _finalize(plan, d, a, carry)
-    st = cache.rollback(st_x, st, out, a)
-    new_pending = jnp.where(done, -1, new_pending)
-    n_cand = jnp.where(carry["done"], 0, width - 1)
-    acc = jnp.maximum(a - 1, 0)
-  else:  # ntp / threshold
-    d, p, _, _ = _draft(cfg, p_t, st, plan, k_draft, sp, pending)
-    if plan.mode == "threshold":
-      a = 1 + _leading(p[:, 1:] >= tau)
-      n_cand = jnp.where(carry["done"], 0, width - 1)
-    else:
-      a = jnp.ones_like(pending)
-    a, done = _finalize(plan, d, a, carry)
-    st, _ = cache.extend(
-      cfg, p_t, st, d, a, plan.mode == "threshold", plan.copies_in_extend, last_only=True
-    )
-    acc = jnp.maximum(a - 1, 0)
-  if plan.stream:
-    jax.debug.callback(_emit, d, a, ordered=True)
-  step = carry["step"]
-  return dict(
-    carry,
-    st=st,
-    pending=new_pending,
+  k_draft, k_acc = loop.keys[loop.step]
+  prop = plan.policy.propose(ctx, loop, k_draft, k_acc)
+  a, done = _finalize(plan, prop.d_BK, prop.a_B, loop)
+  nxt, acc = plan.policy.commit(ctx, loop, prop, a, done)
+  if emit is not None:
+    jax.debug.callback(emit, prop.d_BK, a, ordered=True)
+  return nxt.replace(
     done=done,
-    gen=carry["gen"] + a,
-    step=step + 1,
-    per_step=carry["per_step"].at[step].set(a),
-    n_cand=carry["n_cand"] + n_cand,
-    n_acc=carry["n_acc"] + jnp.where(n_cand > 0, acc, 0),
+    gen=loop.gen + a,
+    step=loop.step + 1,
+    per_step=loop.per_step.at[loop.step].set(a),
+    n_cand=loop.n_cand + prop.n_cand_B,
+    n_acc=loop.n_acc + jnp.where(prop.n_cand_B > 0, acc, 0),
   )
 
 
-def _run(cfgs, plan: Plan, length: int, params, prompt_BP, plen_B, key, tau, sp):
+def _run(cfgs, plan: Plan, length: int, emit, params, prompt_BP, plen_B, key, tau, sp):
   """Prefill + while_loop. Everything here is traced once per (cfgs, plan, shapes)."""
   cfg, dcfg = cfgs
   p_t, p_d = params
+  ctx = Ctx(cfg, dcfg, p_t, p_d, plan, tau, sp)
+  policy = plan.policy
   b = prompt_BP.shape[0]
-  target_mbp = plan.mode in ("threshold", "verify")
-  st = cache.init_state(cfg, p_t, b, length, target_mbp, plan.copies_in_extend)
-  st, _ = cache.extend(
-    cfg, p_t, st, prompt_BP, plen_B, target_mbp, plan.copies_in_extend, last_only=True
+  st = incremental.init_state(cfg, p_t, b, length, policy.target_mbp, plan.copies_in_extend)
+  st, _ = incremental.extend(
+    cfg, p_t, st, prompt_BP, plen_B, policy.target_mbp, plan.copies_in_extend, last_only=True
   )
   n_keys = 1 if plan.greedy else plan.max_steps
   keys = jax.random.split(key, n_keys * 2).reshape((n_keys, 2) + key.shape)
   if plan.greedy:
     keys = jnp.broadcast_to(keys, (plan.max_steps, 2) + key.shape)
-  carry = dict(
+  zeros = jnp.zeros((b,), jnp.int32)
+  loop = LoopState(
     st=st,
+    dst=None,
     keys=keys,
     pending=jnp.full((b,), -1, jnp.int32),
     done=jnp.zeros((b,), bool),
-    gen=jnp.zeros((b,), jnp.int32),
+    gen=zeros,
     step=jnp.zeros((), jnp.int32),
     per_step=jnp.zeros((plan.max_steps, b), jnp.int32),
-    n_cand=jnp.zeros((b,), jnp.int32),
-    n_acc=jnp.zeros((b,), jnp.int32),
+    n_cand=zeros,
+    n_acc=zeros,
     closed0=st.n_closed,
   )
-  if plan.mode == "drafter":
-    dst = cache.init_state(dcfg, p_d, b, length, True)
-    carry["dst"], _ = cache.extend(dcfg, p_d, dst, prompt_BP, plen_B, True, last_only=True)
-  cond = lambda c: jnp.any(~c["done"]) & (c["step"] < plan.max_steps)
-  body = lambda c: _step(cfgs, params, plan, tau, sp, c)
-  c = jax.lax.while_loop(cond, body, carry)
-  st = c["st"]
+  loop = policy.init(ctx, loop, prompt_BP, plen_B)
+  cond = lambda c: jnp.any(~c.done) & (c.step < plan.max_steps)
+  c = jax.lax.while_loop(cond, lambda c: _step(ctx, emit, c), loop)
   return dict(
-    ids=st.ids,
-    length=st.length,
-    boundaries=st.b,
-    per_step=c["per_step"],
-    steps=c["step"],
-    n_cand=c["n_cand"],
-    n_acc=c["n_acc"],
-    latents=st.n_closed - c["closed0"],
-    gen=c["gen"],
+    ids=c.st.ids,
+    length=c.st.length,
+    boundaries=c.st.b,
+    per_step=c.per_step,
+    steps=c.step,
+    n_cand=c.n_cand,
+    n_acc=c.n_acc,
+    latents=c.st.n_closed - c.closed0,
+    gen=c.gen,
   )
 
 
-_COMPILED = {}
+class _Executable(NamedTuple):
+  exe: Any
+  compile_s: float
+  sink: _Sink
 
 
-def _compiled(cfgs, plan, length, args):
+_COMPILED: dict = {}
+
+
+def _compiled(cfgs, plan, length, args) -> _Executable:
   """One XLA executable per static signature; reused across calls (no retracing)."""
   shapes = tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args))
   sig = (cfgs, plan, length, shapes)
   if sig not in _COMPILED:
     t0 = time.perf_counter()
-    fn = jax.jit(lambda *a: _run(cfgs, plan, length, *a))
-    _COMPILED[sig] = (fn.lower(*args).compile(), time.perf_counter() - t0)
+    sink = _Sink()
+    emit = sink.emit if plan.stream else None
+    fn = jax.jit(lambda *a: _run(cfgs, plan, length, emit, *a))
+    _COMPILED[sig] = _Executable(fn.lower(*args).compile(), time.perf_counter() - t0, sink)
   return _COMPILED[sig]
 
 
@@ -423,26 +316,27 @@ def _validate(model, mode, n, drafter, prompts):
   if not _is_model(model):
     raise DecodeError(f"generate needs a model from lca_jax.load(...), got {type(model).__name__}")
   cfg = model.cfg
-  if mode == "drafter" and drafter is None:
-    raise DecodeError("drafter mode needs a drafter model (an LCA-MBP or MLP-MBP checkpoint)")
-  if mode == "drafter" and not _is_model(drafter):
+  policy = POLICIES[mode]
+  if policy.uses_drafter and drafter is None:
+    raise DecodeError(f"{mode} mode needs a drafter model (an LCA-MBP or MLP-MBP checkpoint)")
+  if policy.uses_drafter and not _is_model(drafter):
     raise DecodeError(
       "drafter must be a model loaded with lca_jax.load(...) (an LCA-MBP or "
       f"MLP-MBP checkpoint), got {type(drafter).__name__} {drafter!r:.60}"
     )
-  drafting = drafter.cfg if mode == "drafter" else cfg
-  if mode != "ntp" and not drafting.has_mbp:
-    who = "the drafter" if mode == "drafter" else "this model"
+  drafting = drafter.cfg if policy.uses_drafter else cfg
+  if policy.multi_byte and not drafting.has_mbp:
+    who = "the drafter" if policy.uses_drafter else "this model"
     raise DecodeError(
       f"{mode} mode needs a multi-byte head, and {who} has none "
       f"({drafting.kind}, n_mbp={drafting.n_mbp}); use --mode ntp"
     )
-  if mode != "ntp" and drafting.n_mlp_mbp and n - 1 > drafting.n_mlp_mbp:
+  if policy.multi_byte and drafting.n_mlp_mbp and n - 1 > drafting.n_mlp_mbp:
     raise DecodeError(
       f"an MLP-MBP model with {drafting.n_mlp_mbp} heads drafts at most "
       f"{drafting.n_mlp_mbp + 1} bytes per step; got n={n}"
     )
-  if mode == "drafter" and drafter.cfg.n_tokens != cfg.n_tokens:
+  if policy.uses_drafter and drafter.cfg.n_tokens != cfg.n_tokens:
     raise DecodeError(
       f"the drafter's vocabulary ({drafter.cfg.n_tokens} ids) differs from the "
       f"verifier's ({cfg.n_tokens} ids); both must use the same byte vocabulary"
@@ -514,22 +408,22 @@ def generate(
     seed=seed,
     pad_to=pad_to,
   )
-  exe, compile_s = _compiled(req.cfgs, req.plan, req.length, req.args)
-  _SINK[0] = on_bytes
+  ex = _compiled(req.cfgs, req.plan, req.length, req.args)
+  ex.sink.fn = on_bytes
   try:
     t0 = time.perf_counter()
-    res = jax.device_get(exe(*req.args))
+    res = jax.device_get(ex.exe(*req.args))
     elapsed = time.perf_counter() - t0
   finally:
-    _SINK[0] = None
-  return _collect(res, req.enc, req.plan, elapsed, compile_s, req.requested)
+    ex.sink.fn = None
+  return _collect(res, req.enc, req.plan, elapsed, ex.compile_s, req.requested)
 
 
 def compiled_decode(model, prompts, **kw):
   """The compiled executable ``generate(model, prompts, **kw)`` runs (prefill + decode loop),
   compiled if needed; ``.as_text()`` is its optimized HLO (see ``decode.hlo_stats``)."""
   req = _request(model, prompts, **kw)
-  return _compiled(req.cfgs, req.plan, req.length, req.args)[0]
+  return _compiled(req.cfgs, req.plan, req.length, req.args).exe
 
 
 def cache_length(longest: int, max_bytes: int, width: int, limit: int, pad_to: int = 32) -> int:
@@ -564,16 +458,17 @@ def _request(model, prompts, ignore_eos=False, drafter=None, stream=False, **opt
   enc = _encode_prompts(prompts)
   _validate(model, mode, n, drafter, enc)
   cfg = model.cfg
-  dcfg = drafter.cfg if mode == "drafter" else None
+  policy = POLICIES[mode]
+  dcfg = drafter.cfg if policy.uses_drafter else None
   source = ""
-  if mode != "ntp":
+  if policy.multi_byte:
     source = "mlp" if (dcfg or cfg).n_mlp_mbp else "lca"
   longest = max(p.size for p in enc)
   limit = min(cfg.max_seq_len, (dcfg or cfg).max_seq_len)
   max_bytes = byte_budget(requested, longest, limit)
   plan = Plan(
     mode,
-    n if mode != "ntp" else 1,
+    n if policy.multi_byte else 1,
     temperature == 0,
     bool(ignore_eos),
     max_bytes,

@@ -39,6 +39,18 @@ def _default_doc_ids(segment_ids_BT: jax.Array, doc_ids_BT: jax.Array | None) ->
   return doc_ids_BT.astype(jnp.int32)
 
 
+def lca_allowed(g_i, g_j, i, j):
+  """The LCA rule, elementwise with broadcasting: may query ``i`` (group ``g_i``) attend key
+  ``j`` (group ``g_j``)? ``j == i``, or ``j < i`` with ``g_j`` in ``{g_i - 1, g_i}``.
+
+  Within a sequence whose group ids are non-decreasing, ``g_j == g_i - 1`` already implies
+  ``j < i`` (the set definition above); stating ``j < i`` makes the rule also hold over a KV
+  cache whose slots past the query hold stale ids. The one definition every LCA mask uses
+  (this module's dense mask, ``model.masks`` and the cached decode step).
+  """
+  return (j == i) | ((j < i) & ((g_j == g_i - 1) | (g_j == g_i)))
+
+
 def lca_mask(segment_ids: jax.Array, doc_ids: jax.Array | None = None) -> jax.Array:
   """Dense LCA mask from the set definition.
 
@@ -51,11 +63,8 @@ def lca_mask(segment_ids: jax.Array, doc_ids: jax.Array | None = None) -> jax.Ar
   """
   seg_BT = segment_ids.astype(jnp.int32)
   T = seg_BT.shape[1]
-  g_i = seg_BT[:, :, None]
-  g_j = seg_BT[:, None, :]
-  pos_i = jnp.arange(T)[:, None]
-  pos_j = jnp.arange(T)[None, :]
-  allowed_BTT = (pos_j == pos_i) | (g_j == g_i - 1) | ((g_j == g_i) & (pos_j < pos_i))
+  pos_T = jnp.arange(T)
+  allowed_BTT = lca_allowed(seg_BT[:, :, None], seg_BT[:, None, :], pos_T[:, None], pos_T[None, :])
   if doc_ids is None:
     return allowed_BTT
   doc_BT = doc_ids.astype(jnp.int32)

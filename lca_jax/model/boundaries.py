@@ -39,7 +39,7 @@ def gumbel_boundaries(logits_BT, rng, temp: float):
   return hard - jax.lax.stop_gradient(soft) + soft
 
 
-def _space_like(ids_BT):
+def space_like(ids_BT):
   """Not an ASCII letter/digit and not a UTF-8 continuation byte; specials count as space-like."""
   byte = ids_BT - 3
   is_byte = (ids_BT >= 3) & (ids_BT < 259)
@@ -52,17 +52,23 @@ def _space_like(ids_BT):
   return ~(is_byte & (alnum | continuation))
 
 
-def spacebyte_boundaries(ids_BT, max_group: int, forced_BT=None, doc_BT=None):
+def spacebyte_boundaries(
+  ids_BT, max_group: int, forced_BT=None, doc_BT=None, prev_space_B=None, open_len_B=None
+):
   """SpaceByte heuristic: byte t closes a group when it is space-like and byte t-1 is not,
   or when the group has reached ``max_group`` bytes (or where ``forced_BT`` is set).
 
-  Byte 0 has no predecessor: its predecessor counts as not space-like; with ``doc_BT``
-  (segmented packing) so does the predecessor of each document's first byte, so that no
-  decision reads another document. Causal by construction (uses x_{t-1}, x_t only, plus the
-  running group length).
+  Byte 0's predecessor is ``prev_space_B`` (default: not space-like, i.e. no predecessor) and
+  the group open before byte 0 already has ``open_len_B`` bytes (default 0): the full forward
+  uses the defaults, cached decoding continues from the committed bytes. With ``doc_BT``
+  (segmented packing) the predecessor of each document's first byte counts as not space-like,
+  so that no decision reads another document. Causal by construction (uses x_{t-1}, x_t only,
+  plus the running group length). Returns float32 0/1 [B, T].
   """
-  sl = _space_like(ids_BT)
-  prev = jnp.pad(sl[:, :-1], ((0, 0), (1, 0)), constant_values=False)
+  b = ids_BT.shape[0]
+  sl = space_like(ids_BT)
+  first = jnp.zeros((b, 1), bool) if prev_space_B is None else prev_space_B[:, None]
+  prev = jnp.concatenate([first, sl[:, :-1]], axis=1)
   if doc_BT is not None:
     prev = prev & jnp.pad(doc_BT[:, 1:] == doc_BT[:, :-1], ((0, 0), (1, 0)), constant_values=False)
   rule = sl & ~prev
@@ -73,7 +79,8 @@ def spacebyte_boundaries(ids_BT, max_group: int, forced_BT=None, doc_BT=None):
     close = r_t | (length + 1 >= max_group)
     return jnp.where(close, 0, length + 1), close
 
-  _, closes = jax.lax.scan(step, jnp.zeros(ids_BT.shape[0], jnp.int32), rule.T)
+  init = jnp.zeros(b, jnp.int32) if open_len_B is None else open_len_B.astype(jnp.int32)
+  _, closes = jax.lax.scan(step, init, rule.T)
   return closes.T.astype(jnp.float32)
 
 

@@ -3,8 +3,9 @@
 ``ByteLM(cfg)`` is a pure linen module; the variant is a matter of ``ModelConfig`` fields.
 Inputs are ids [B,T] plus optional doc ids (0 = padding; all ones for ``concat`` packing) and
 positions (restarting per document for ``segmented`` packing). The stages are exposed as
-methods (``encode``, ``decide``, ``latent``, ``next_byte``, ``lca_head``, ``logits``) so the
-decode engine can run them with KV caches; ``__call__`` is the full forward used in training.
+methods (``encode``, ``decide``, ``latent``, ``next_byte``, ``lca_head``, ``stack_step``,
+``logits``); ``__call__`` is the full forward used in training and evaluation, and
+``model/incremental.py`` runs the same stages over KV caches for decoding.
 """
 
 from __future__ import annotations

@@ -16,9 +16,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lca_jax.kernels.reference import lca_key_start
+from lca_jax.kernels.reference import lca_allowed, lca_key_start
 
-__all__ = ["same_doc", "causal_mask", "lca_mask", "causal_key_start", "lca_key_start"]
+__all__ = [
+  "same_doc",
+  "causal_mask",
+  "cache_causal_mask",
+  "lca_mask",
+  "causal_key_start",
+  "lca_key_start",
+]
 
 
 def same_doc(doc_q, doc_k):
@@ -41,22 +48,30 @@ def causal_mask(doc_q, doc_k=None, pos_q=None, pos_k=None):
   return order & same_doc(doc_q, doc_k)
 
 
-def lca_mask(group_q, doc_q, group_k=None, doc_k=None, idx_q=None, idx_k=None):
-  """LCA mask: query i sees key j iff j == i, g_j == g_i - 1, or (g_j == g_i and j < i).
+def lca_mask(group_q, doc_q=None, group_k=None, doc_k=None, idx_q=None, idx_k=None):
+  """LCA mask (``kernels.reference.lca_allowed``): query i sees key j iff j == i, or j < i
+  with g_j in {g_i - 1, g_i}; i.e. one contiguous key range [first byte of group g_i - 1, i].
 
-  Equivalently one contiguous key range [first byte of group g_i - 1, i] per query. ``idx_*``
-  are absolute byte indices (default: 0..T-1) so the same rule applies to a cache.
+  ``idx_*`` are absolute byte indices (default: 0..T-1) so the same rule applies to a KV cache
+  (keys = cache slots). ``doc_q=None``: one document, no padding (a decode cache).
   """
   group_k = group_q if group_k is None else group_k
-  doc_k = doc_q if doc_k is None else doc_k
   if idx_q is None:
     idx_q = jnp.arange(group_q.shape[1])[None, :]
   if idx_k is None:
     idx_k = jnp.arange(group_k.shape[1])[None, :]
-  gi, gj = group_q[:, :, None], group_k[:, None, :]
-  i, j = idx_q[:, :, None], idx_k[:, None, :]
-  allowed = (j == i) | (gj == gi - 1) | ((gj == gi) & (j < i))
-  return allowed & same_doc(doc_q, doc_k)
+  allowed = lca_allowed(
+    group_q[:, :, None], group_k[:, None, :], idx_q[:, :, None], idx_k[:, None, :]
+  )
+  if doc_q is None:
+    return allowed
+  return allowed & same_doc(doc_q, doc_q if doc_k is None else doc_k)
+
+
+def cache_causal_mask(pos_BQ, n_slots: int):
+  """[B, Q, S] causal mask of Q queries at positions ``pos`` over a cache of S slots (slot j
+  holds position j)."""
+  return jnp.arange(n_slots)[None, None, :] <= pos_BQ[:, :, None]
 
 
 def causal_key_start(doc_BT):

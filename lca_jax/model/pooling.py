@@ -97,7 +97,7 @@ def downsample(h_BTD, b_BT, plan: LatentPlan, null_D):
   def per_row(hw, ww, ii):
     num = jax.ops.segment_sum(hw, ii, num_segments=n_slots + 1)[:n_slots]
     den = jax.ops.segment_sum(ww, ii, num_segments=n_slots + 1)[:n_slots]
-    return num / (den[:, None] + 1e-9)
+    return group_mean(num, den, num.dtype)
 
   hw = h_BTD.astype(jnp.float32) * w[..., None]
   s = jax.vmap(per_row)(hw, w, idx)
@@ -109,3 +109,25 @@ def upsample(z_BSD, plan: LatentPlan):
   """Byte t reads z[read_t] (zeros where the plan says it has no valid slot)."""
   out = jnp.take_along_axis(z_BSD, plan.read_BT[..., None], axis=1)
   return out * plan.read_ok_BT[..., None].astype(z_BSD.dtype)
+
+
+def open_group_sums(prev_close_BK, x_BKD, w_BK, carry_BD, carry_cnt_B):
+  """Group sums inside a block of K bytes fed to a cache (decoding): segment s of the block
+  starts after each close (``prev_close``: the byte before closed its group); segment 0
+  continues the group left open before the block, whose sum and count are ``carry``. Returns
+  the running group's total sum and count (of weights ``w``: 1 for real bytes) at each
+  position ([B, K, D], [B, K]) and the segment ids [B, K]. O(K) segment sums; the mean
+  ``sum / (count + 1e-9)`` is what ``downsample`` stores for a closed group.
+  """
+  k = prev_close_BK.shape[1]
+  seg = jnp.cumsum(prev_close_BK.astype(jnp.int32), axis=1)
+  tot = jax.vmap(lambda x, s: jax.ops.segment_sum(x, s, num_segments=k))(x_BKD, seg)
+  cnt = jax.vmap(lambda w, s: jax.ops.segment_sum(w, s, num_segments=k))(w_BK, seg)
+  tot = tot.at[:, 0].add(carry_BD)
+  cnt = cnt.at[:, 0].add(carry_cnt_B)
+  return jnp.take_along_axis(tot, seg[..., None], 1), jnp.take_along_axis(cnt, seg, 1), seg
+
+
+def group_mean(sum_BKD, cnt_BK, dtype):
+  """The pooled value of a group from its sum and count (``downsample``'s formula)."""
+  return (sum_BKD / (cnt_BK[..., None] + 1e-9)).astype(dtype)

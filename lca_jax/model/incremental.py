@@ -1,4 +1,12 @@
-"""Hierarchical KV caches and the one function that feeds bytes through them.
+"""The incremental forward: ``ByteLM``'s stages run over KV caches, K new bytes per call.
+
+The same stages as the full forward (``ByteLM.__call__``): embedding, the encoder stack,
+boundary decisions (``ByteLM.boundary_logits`` + ``boundaries.hard_boundaries``, or the
+SpaceByte rule ``boundaries.spacebyte_boundaries`` continued from the committed bytes), pooling
+of each group (``pooling.open_group_sums`` / ``group_mean``), the latent LM over closed groups,
+upsampling, the next-byte decoder, the LCA-MBP head under ``masks.lca_mask``, and the shared
+unembedding ``ByteLM.logits``; every stack is ``ByteLM.stack_step`` (the same ``Stack`` with a
+cache). Only the bookkeeping of a cache is written here.
 
 Every stack is causal in byte (or latent) order with values fixed once a byte is processed,
 so each keeps a plain KV cache: the encoder and next-byte decoder over bytes, the LM module
@@ -6,18 +14,22 @@ over latent slots (extended only when groups close, several per call if needed),
 head over bytes (its LCA mask is a subset of the causal one). ``extend`` feeds K new bytes per
 row (ragged: ``k_B`` of them are real); positions past a row's real length may hold garbage,
 which is always overwritten before any query can see it (every mask also requires key <= query).
-Rollback (speculative modes) only resets per-row lengths and running sums.
+Rollback (speculative decoding) only resets per-row lengths and running sums.
+
+Shapes: B rows, L byte slots of the cache, S = L + 1 latent slots (slot 0 = the null group),
+K bytes fed per call, C appended copies, D model width, V vocabulary, KV kv heads, E head dim.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import NamedTuple, Tuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from lca_jax.model import boundaries as bnd
+from lca_jax.model import masks, pooling
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import ByteLM
 from lca_jax.model.layers import write_kv, write_rows
@@ -46,7 +58,7 @@ class DecodeState:
 
 def _kv(cfg: ModelConfig, n_layers, b, length, dtype):
   """Per-layer zeros (k [B, KV, L, E], v [B, KV, E, L]): the layouts in which a decode step
-  reads both without moving them (``layers.cached_attention``); with L = T new slots, the
+  reads both without moving them (``layers.cached_attention``); with L = K new slots, the
   entries of a ``lax.cond`` branch that computes none."""
   k = (b, cfg.n_kv_heads, length, cfg.head_dim)
   v = (b, cfg.n_kv_heads, cfg.head_dim, length)
@@ -74,6 +86,11 @@ def _take(x_BK, idx_B):
   return jnp.take_along_axis(x_BK, idx_B.reshape((-1, 1) + (1,) * (x_BK.ndim - 2)), axis=1)[:, 0]
 
 
+def _keep(has_B, new, old):
+  """Rows that fed no byte keep their old value."""
+  return jnp.where(has_B.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+
+
 def init_state(
   cfg: ModelConfig, params, batch: int, length: int, with_mbp: bool, n_copies: int = 0
 ) -> DecodeState:
@@ -97,7 +114,7 @@ def init_state(
       "lm",
       null,
       jnp.zeros((batch, 1), jnp.int32),
-      jnp.broadcast_to(jnp.arange(n_slots) == 0, (batch, 1, n_slots)),
+      masks.cache_causal_mask(jnp.zeros((batch, 1), jnp.int32), n_slots),
       lm,
       zero,
     )
@@ -125,35 +142,99 @@ def init_state(
   )
 
 
-def _group_sums(prev_close_BK, x_BKD, w_BK, carry_BD, carry_cnt_B):
-  """Per-position sums over each byte's group within the block: segment s of the block starts
-  after each close; segment 0 continues the open group (``carry``). Returns the group-total sum
-  and count (of weights ``w``: 1 for real bytes) per position ([B, K, D], [B, K]) and the
-  segment ids. O(K) segment sums."""
-  b, k = prev_close_BK.shape
-  seg = jnp.cumsum(prev_close_BK.astype(jnp.int32), axis=1)
-  tot = jax.vmap(lambda x, s: jax.ops.segment_sum(x, s, num_segments=k))(x_BKD, seg)
-  cnt = jax.vmap(lambda w, s: jax.ops.segment_sum(w, s, num_segments=k))(w_BK, seg)
-  tot = tot.at[:, 0].add(carry_BD)
-  cnt = cnt.at[:, 0].add(carry_cnt_B)
-  return jnp.take_along_axis(tot, seg[..., None], 1), jnp.take_along_axis(cnt, seg, 1), seg
+class _Block(NamedTuple):
+  """The K bytes of one ``extend`` call: where they go and which are real."""
+
+  ids_BK: jax.Array
+  k_B: jax.Array  # real bytes per row
+  pos_BK: jax.Array  # absolute byte positions (length + j)
+  valid_BK: jax.Array  # j < k_B
+  last_B: jax.Array  # index of each row's last real byte in the block (0 if none)
+  causal_BKL: jax.Array  # causal mask of the block's queries over the byte caches
 
 
-def _spacebyte_closes(cfg, state, new_ids_BK, valid_BK):
-  """SpaceByte rule continued from the committed bytes (previous byte and open group length)."""
-  prev_id = _take(state.ids, jnp.maximum(state.length - 1, 0))
-  prev_sl = bnd._space_like(prev_id[:, None])[:, 0] & (state.length > 0)  # pylint: disable=protected-access
-  sl = bnd._space_like(new_ids_BK)  # pylint: disable=protected-access
+def _boundaries(cfg, params, state: DecodeState, blk: _Block, h_BKD):
+  """Hard closes of the block's real bytes, continuing the committed bytes' decisions."""
+  if cfg.boundaries == "spacebyte":
+    prev_id = _take(state.ids, jnp.maximum(state.length - 1, 0))
+    prev_space = bnd.space_like(prev_id) & (state.length > 0)
+    closes = bnd.spacebyte_boundaries(
+      blk.ids_BK,
+      cfg.spacebyte_max_group,
+      prev_space_B=prev_space,
+      open_len_B=state.open_cnt.astype(jnp.int32),
+    )
+  else:
+    closes = bnd.hard_boundaries(_apply(cfg, params, ByteLM.boundary_logits, h_BKD))
+  return (closes > 0) & blk.valid_BK
 
-  def step(carry, inp):
-    prev, glen = carry
-    s_t, ok = inp
-    close = ((s_t & ~prev) | (glen + 1 >= cfg.spacebyte_max_group)) & ok
-    return (jnp.where(ok, s_t, prev), jnp.where(close, 0, jnp.where(ok, glen + 1, glen))), close
 
-  init = (prev_sl, state.open_cnt.astype(jnp.int32))
-  _, closes = jax.lax.scan(step, init, (sl.T, valid_BK.T))
-  return closes.T
+class _Latents(NamedTuple):
+  """The latent side after a block: the new state fields and what each byte reads."""
+
+  fields: dict  # lm, z, s, n_closed, open_sum, open_cnt, b, g
+  z_up_BKD: jax.Array  # LM output each byte reads (the last closed group through it)
+  s_up_BKD: jax.Array  # pooled input of that same slot
+  grp_BK: jax.Array  # group id of each new byte
+  out: dict  # per-position running values for ``rollback``
+
+
+def _latents(cfg, params, state: DecodeState, blk: _Block, h_BKD, closes_BK) -> _Latents:
+  """Pool the groups the block closes, run the LM over them (only when some row closed one:
+  Eff-FxT) and read back the latent each byte sees."""
+  b, k = closes_BK.shape
+  j = jnp.arange(k)[None, :]
+  prev_close = jnp.concatenate([jnp.zeros_like(closes_BK[:, :1]), closes_BK[:, :-1]], axis=1)
+  hf = h_BKD.astype(jnp.float32) * blk.valid_BK[..., None]
+  gsum, gcnt, seg = pooling.open_group_sums(
+    prev_close, hf, blk.valid_BK.astype(jnp.float32), state.open_sum, state.open_cnt
+  )
+  pooled = pooling.group_mean(gsum, gcnt, h_BKD.dtype)
+  # new latent slots: closing bytes, compacted in order, appended after n_closed
+  cum = jnp.cumsum(closes_BK.astype(jnp.int32), axis=1)
+  dest = jnp.where(closes_BK, cum - 1, k)
+  new_s = jnp.zeros_like(pooled).at[jnp.arange(b)[:, None], dest].set(pooled, mode="drop")
+  first_slot = state.n_closed + 1
+  slot_pos = first_slot[:, None] + j
+  lm_mask = masks.cache_causal_mask(slot_pos, state.z.shape[1])
+  # The LM cache is written after the cond (zeros when it did not run: slots past n_closed
+  # are garbage until a group closes there).
+  z_new, lm_new = jax.lax.cond(
+    jnp.any(closes_BK),
+    lambda: _stack(cfg, params, "lm", new_s, slot_pos, lm_mask, state.lm, first_slot, defer=True),
+    lambda: (jnp.zeros_like(new_s), _kv(cfg, cfg.n_lm, b, k, new_s.dtype)),
+  )
+  z = write_rows(state.z, z_new, first_slot)
+  s = write_rows(state.s, new_s, first_slot)
+  u = state.n_closed[:, None] + cum  # closed groups through each new byte
+  grp = u - closes_BK.astype(jnp.int32)
+  closed_last = _take(closes_BK, blk.last_B)
+  has = blk.k_B > 0
+  fields = dict(
+    lm=_write(state.lm, lm_new, first_slot),
+    z=z,
+    s=s,
+    n_closed=state.n_closed + cum[:, -1],
+    open_sum=_keep(
+      has, jnp.where(closed_last[:, None], 0.0, _take(gsum, blk.last_B)), state.open_sum
+    ),
+    open_cnt=_keep(has, jnp.where(closed_last, 0.0, _take(gcnt, blk.last_B)), state.open_cnt),
+    b=write_rows(state.b, closes_BK.astype(jnp.int32), state.length),
+    g=write_rows(state.g, grp, state.length),
+  )
+  read = lambda x_BSD: jnp.take_along_axis(x_BSD, u[..., None], axis=1)
+  out = dict(h=hf, seg=seg, closes=closes_BK, n_closed=u)
+  return _Latents(fields, read(z), read(s), grp, out)
+
+
+def _heads(cfg, params, h_BKD, blk: _Block, last_only: bool):
+  """Logits of a head at each position ([B, K, V]; None with ``last_only``) and at each row's
+  last real byte ([B, V])."""
+  if last_only:
+    last = _apply(cfg, params, ByteLM.logits, _take(h_BKD, blk.last_B)[:, None])[:, 0]
+    return None, last
+  every = _apply(cfg, params, ByteLM.logits, h_BKD)
+  return every, _take(every, blk.last_B)
 
 
 def extend(
@@ -175,132 +256,88 @@ def extend(
   the copies), not at every position: for callers that never roll back (prefill, ntp,
   threshold); the per-position logits are then absent from the outputs.
   """
-  at_last = lambda x_BKD: _take(x_BKD, jnp.maximum(k_B - 1, 0))[:, None]
-  b, k = new_ids_BK.shape
   length_cap = state.ids.shape[1]
-  j = jnp.arange(k)[None, :]
+  j = jnp.arange(new_ids_BK.shape[1])[None, :]
   pos = state.length[:, None] + j
-  valid = j < k_B[:, None]
-  last = jnp.maximum(k_B - 1, 0)
+  blk = _Block(
+    new_ids_BK,
+    k_B,
+    pos,
+    j < k_B[:, None],
+    jnp.maximum(k_B - 1, 0),
+    masks.cache_causal_mask(pos, length_cap),
+  )
   has_new = k_B > 0
-  ids = write_rows(state.ids, new_ids_BK, state.length)
-  causal = jnp.arange(length_cap)[None, None, :] <= pos[:, :, None]
   x = _apply(cfg, params, ByteLM.embed, new_ids_BK)
-  h, enc = _stack(cfg, params, "encoder", x, pos, causal, state.enc, state.length)
-  out = {}
-  keep = lambda new, old: jnp.where(has_new.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
-  if not cfg.hierarchical:
-    if last_only:
-      last_nt = _apply(cfg, params, ByteLM.logits, at_last(h))[:, 0]
-    else:
-      out["nt_logits"] = nt = _apply(cfg, params, ByteLM.logits, h)
-      last_nt = _take(nt, last)
-    return state.replace(
-      ids=ids, length=state.length + k_B, enc=enc, last_nt=keep(last_nt, state.last_nt)
-    ), out
-
-  # boundaries and the running sums of the open group
-  if cfg.boundaries == "spacebyte":
-    closes = _spacebyte_closes(cfg, state, new_ids_BK, valid)
-  else:
-    closes = bnd.hard_boundaries(_apply(cfg, params, ByteLM.boundary_logits, h)) > 0
-  closes = closes & valid
-  prev_close = jnp.concatenate([jnp.zeros_like(closes[:, :1]), closes[:, :-1]], axis=1)
-  hf = h.astype(jnp.float32) * valid[..., None]
-  gsum, gcnt, seg = _group_sums(
-    prev_close, hf, valid.astype(jnp.float32), state.open_sum, state.open_cnt
-  )
-  pooled = (gsum / (gcnt[..., None] + 1e-9)).astype(h.dtype)
-
-  # new latent slots: closing bytes, compacted in order, appended after n_closed
-  cum = jnp.cumsum(closes.astype(jnp.int32), axis=1)
-  dest = jnp.where(closes, cum - 1, k)
-  new_s = jnp.zeros_like(pooled).at[jnp.arange(b)[:, None], dest].set(pooled, mode="drop")
-  n_slots = state.z.shape[1]
-  slot_pos = state.n_closed[:, None] + 1 + j
-  lm_mask = jnp.arange(n_slots)[None, None, :] <= slot_pos[:, :, None]
-  # The LM module runs only when some row closed a group (Eff-FxT). Its cache is written after
-  # the cond (zeros when it did not run: slots past n_closed are garbage until a group closes).
-  z_new, lm_new = jax.lax.cond(
-    jnp.any(closes),
-    lambda: _stack(
-      cfg, params, "lm", new_s, slot_pos, lm_mask, state.lm, state.n_closed + 1, defer=True
-    ),
-    lambda: (jnp.zeros_like(new_s), _kv(cfg, cfg.n_lm, b, k, new_s.dtype)),
-  )
-  lm = _write(state.lm, lm_new, state.n_closed + 1)
-  z = write_rows(state.z, z_new, state.n_closed + 1)
-  s = write_rows(state.s, new_s, state.n_closed + 1)
-
-  u = state.n_closed[:, None] + cum  # closed groups through each new byte
-  grp = u - closes.astype(jnp.int32)
-  g = write_rows(state.g, grp, state.length)
-  bb = write_rows(state.b, closes.astype(jnp.int32), state.length)
-  z_up = jnp.take_along_axis(z, u[..., None], axis=1)
-  h_nt, dec = _stack(cfg, params, "decoder", z_up + h, pos, causal, state.dec, state.length)
-  out.update(h=hf, seg=seg, closes=closes, n_closed=u)
-  if last_only:
-    last_nt = _apply(cfg, params, ByteLM.logits, at_last(h_nt))[:, 0]
-  else:
-    out["nt_logits"] = nt = _apply(cfg, params, ByteLM.logits, h_nt)
-    last_nt = _take(nt, last)
+  h, enc = _stack(cfg, params, "encoder", x, pos, blk.causal_BKL, state.enc, state.length)
   new = dict(
-    ids=ids,
-    length=state.length + k_B,
-    b=bb,
-    g=g,
-    enc=enc,
-    dec=dec,
-    lm=lm,
-    z=z,
-    s=s,
-    n_closed=state.n_closed + cum[:, -1],
+    ids=write_rows(state.ids, new_ids_BK, state.length), length=state.length + k_B, enc=enc
   )
-  closed_last = _take(closes, last)
-  new["open_sum"] = keep(jnp.where(closed_last[:, None], 0.0, _take(gsum, last)), state.open_sum)
-  new["open_cnt"] = keep(jnp.where(closed_last, 0.0, _take(gcnt, last)), state.open_cnt)
-  new["last_nt"] = keep(last_nt, state.last_nt)
+  out = {}
+  if not cfg.hierarchical:
+    every, last_nt = _heads(cfg, params, h, blk, last_only)
+    if every is not None:
+      out["nt_logits"] = every
+    return state.replace(**new, last_nt=_keep(has_new, last_nt, state.last_nt)), out
+
+  lat = _latents(cfg, params, state, blk, h, _boundaries(cfg, params, state, blk, h))
+  new.update(lat.fields)
+  out.update(lat.out)
+  h_nt, new["dec"] = _stack(
+    cfg, params, "decoder", lat.z_up_BKD + h, pos, blk.causal_BKL, state.dec, state.length
+  )
+  every, last_nt = _heads(cfg, params, h_nt, blk, last_only)
+  if every is not None:
+    out["nt_logits"] = every
+  new["last_nt"] = _keep(has_new, last_nt, state.last_nt)
   if with_mbp and cfg.has_lca:
-    m = z_up + jnp.take_along_axis(s, u[..., None], axis=1)
-    order = pos
-    c = n_copies
-    if c:  # copies of the last real byte ride along: slots length+K.., order length+k_B..
-      u_last = state.n_closed + cum[:, -1]
-      m = jnp.concatenate([m, jnp.repeat(_take(m, last)[:, None], c, axis=1)], axis=1)
-      grp = jnp.concatenate([grp, jnp.repeat(u_last[:, None], c, axis=1)], axis=1)
-      order = jnp.concatenate([pos, (state.length + k_B)[:, None] + jnp.arange(c)[None]], 1)
-    key_g = write_rows(g, grp, state.length)
-    h_m, mbp = _mbp_stack(
-      cfg, params, state, m, grp, order, key_g, _key_order(state.length, k_B, k, c, length_cap)
-    )
-    if last_only:  # row: the last byte, then the copies
-      mbp_logits = _apply(
-        cfg, params, ByteLM.logits, jnp.concatenate([at_last(h_m[:, :k]), h_m[:, k:]], 1)
-      )
-      last_mbp, copies = mbp_logits[:, 0], mbp_logits[:, 1:]
-    else:
-      mbp_logits = _apply(cfg, params, ByteLM.logits, h_m)
-      out["mbp_logits"] = mbp_logits[:, :k]
-      last_mbp, copies = _take(mbp_logits, last), mbp_logits[:, k:]
-    new.update(mbp=mbp, last_mbp=keep(last_mbp, state.last_mbp))
-    if c:
-      new["last_copies"] = keep(copies, state.last_copies)
+    new.update(_lca_step(cfg, params, state, blk, lat, new, n_copies, last_only, out))
   if with_mbp and cfg.n_mlp_mbp:
-    src = at_last(h_nt) if last_only else h_nt
+    src = _take(h_nt, blk.last_B)[:, None] if last_only else h_nt
     mlp = jnp.stack(
       [
         _apply(cfg, params, ByteLM.logits, _apply(cfg, params, ByteLM.mlp_head, i, src))
         for i in range(cfg.n_mlp_mbp)
       ],
       axis=1,
-    )  # [B, k, K (1 with last_only), V]
+    )  # [B, heads, K (1 with last_only), V]
     if last_only:
       last_mlp = mlp[:, :, 0]
     else:
       out["mlp_logits"] = mlp
-      last_mlp = jnp.take_along_axis(mlp, last[:, None, None, None], axis=2)[:, :, 0]
-    new["last_mlp"] = keep(last_mlp, state.last_mlp)
+      last_mlp = jnp.take_along_axis(mlp, blk.last_B[:, None, None, None], axis=2)[:, :, 0]
+    new["last_mlp"] = _keep(has_new, last_mlp, state.last_mlp)
   return state.replace(**new), out
+
+
+def _lca_step(cfg, params, state, blk: _Block, lat: _Latents, new, n_copies, last_only, out):
+  """The LCA-MBP head over its cache for the block (input m = z_up + s_up), plus ``n_copies``
+  copies of each row's last real byte (slots length+K.., order length+k_B..)."""
+  k = blk.ids_BK.shape[1]
+  length_cap = state.ids.shape[1]
+  m = lat.z_up_BKD + lat.s_up_BKD
+  grp, order, c = lat.grp_BK, blk.pos_BK, n_copies
+  if c:
+    m = jnp.concatenate([m, jnp.repeat(_take(m, blk.last_B)[:, None], c, axis=1)], axis=1)
+    grp = jnp.concatenate([grp, jnp.repeat(new["n_closed"][:, None], c, axis=1)], axis=1)
+    copy_ord = (state.length + blk.k_B)[:, None] + jnp.arange(c)[None]
+    order = jnp.concatenate([order, copy_ord], axis=1)
+  key_g = write_rows(new["g"], grp, state.length)
+  key_ord = _key_order(state.length, blk.k_B, k, c, length_cap)
+  h_m, mbp = _mbp_stack(cfg, params, state, m, grp, order, key_g, key_ord)
+  if last_only:  # rows: the last byte, then the copies
+    h_rows = jnp.concatenate([_take(h_m[:, :k], blk.last_B)[:, None], h_m[:, k:]], 1)
+    logits = _apply(cfg, params, ByteLM.logits, h_rows)
+    last_mbp, copies = logits[:, 0], logits[:, 1:]
+  else:
+    logits = _apply(cfg, params, ByteLM.logits, h_m)
+    out["mbp_logits"] = logits[:, :k]
+    last_mbp, copies = _take(logits, blk.last_B), logits[:, k:]
+  has = blk.k_B > 0
+  fields = dict(mbp=mbp, last_mbp=_keep(has, last_mbp, state.last_mbp))
+  if c:
+    fields["last_copies"] = _keep(has, copies, state.last_copies)
+  return fields
 
 
 def _key_order(length_B, k_B, k: int, c: int, length_cap: int):
@@ -311,13 +348,6 @@ def _key_order(length_B, k_B, k: int, c: int, length_cap: int):
   rel = s - length_B[:, None]
   order = jnp.where((rel >= k_B[:, None]) & (rel < k), jnp.iinfo(jnp.int32).max, s)
   return jnp.where((rel >= k) & (rel < k + c), length_B[:, None] + k_B[:, None] + rel - k, order)
-
-
-def _lca_cache_mask(g_BL, grp_BQ, ord_BQ, ord_BL):
-  """LCA mask of Q queries (groups grp, order ord) against the byte cache (groups g, order)."""
-  gi, gj = grp_BQ[:, :, None], g_BL[:, None, :]
-  i, j = ord_BQ[:, :, None], ord_BL[:, None, :]
-  return (j <= i) & ((j == i) | (gj == gi - 1) | ((gj == gi) & (j < i)))
 
 
 def mbp_copies(cfg: ModelConfig, params, state: DecodeState, n_copies: int):
@@ -352,10 +382,11 @@ def _mbp_stack(cfg, params, state: DecodeState, m_BQD, grp_BQ, ord_BQ, key_g_BL,
   length_cap, q = key_g_BL.shape[1], grp_BQ.shape[1]
   length = state.length
   slot = jnp.arange(length_cap)[None, :]
-  run = lambda mask, window: _stack(
-    cfg, params, "mbp", m_BQD, ord_BQ, mask, state.mbp, length, window, defer=True
+  mask = lambda g_BW, ord_BW: masks.lca_mask(grp_BQ, None, g_BW, None, ord_BQ, ord_BW)
+  run = lambda m, window: _stack(
+    cfg, params, "mbp", m_BQD, ord_BQ, m, state.mbp, length, window, defer=True
   )
-  full = lambda: run(_lca_cache_mask(key_g_BL, grp_BQ, ord_BQ, key_ord_BL), None)
+  full = lambda: run(mask(key_g_BL, key_ord_BL), None)
   w = MBP_WINDOW
   if w >= length_cap or q >= w:  # short caches, prefill
     out, entries = full()
@@ -364,9 +395,7 @@ def _mbp_stack(cfg, params, state: DecodeState, m_BQD, grp_BQ, ord_BQ, key_g_BL,
     lo = length - jnp.sum((slot < length[:, None]) & (state.g >= grp_BQ[:, :1] - 1), axis=1)
     start = jnp.clip(lo, 0, length_cap - w)
     win = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, w))
-    windowed = lambda: run(
-      _lca_cache_mask(win(key_g_BL, start), grp_BQ, ord_BQ, win(key_ord_BL, start)), start
-    )
+    windowed = lambda: run(mask(win(key_g_BL, start), win(key_ord_BL, start)), start)
     fits = jnp.all(length + q - lo <= w)
     out, entries = jax.lax.cond(fits, windowed, full)
   return out, _write(state.mbp, entries, length)
@@ -377,7 +406,7 @@ def rollback(state: DecodeState, old: DecodeState, out: dict, a_B) -> DecodeStat
   last = jnp.maximum(a_B - 1, 0)
   has = a_B > 0
   sel = lambda x: _take(x, last)
-  keep = lambda new, prev: jnp.where(has.reshape((-1,) + (1,) * (prev.ndim - 1)), new, prev)
+  keep = lambda new, prev: _keep(has, new, prev)
   new = dict(length=old.length + a_B, last_nt=keep(sel(out["nt_logits"]), old.last_nt))
   if "seg" in out:
     # the open group after byte a-1: the bytes of its block segment up to a-1 (+ the carry)
