@@ -70,16 +70,19 @@ def test_step_read_bytes_by_hand():
   assert r["kv"] == pytest.approx(
     kv_slot * ((LCA.n_enc + LCA.n_dec) * length + 0.25 * LCA.n_lm * (length + 1))
   )
-  # verify, batch 2, 3 bytes fed per row: MBP stack + its window, 6 embedding rows
-  w = min(length, incremental.MBP_WINDOW)
-  r = bounds.step_read_bytes(LCA, "verify", 2, 3, length, 0.25, 2.0)
+  # verify, batch 2, 3 bytes fed per row: MBP stack + its cache (whole: 100 slots are fewer
+  # than MBP_WINDOW_FROM windows), 6 embedding rows
   f = 1 - (1 - 0.5) ** 2
-  assert r["lm_fraction"] == pytest.approx(f)
-  assert r["params"] == pytest.approx(4 * (every + g["mbp"] + 6 * d + f * g["lm"]))
-  assert r["kv"] == pytest.approx(
-    2 * kv_slot * ((LCA.n_enc + LCA.n_dec) * length + f * LCA.n_lm * (length + 1) + 2 * w)
-  )
-  assert r["total"] == pytest.approx(r["params"] + r["kv"])
+  long = incremental.MBP_WINDOW_FROM * incremental.MBP_WINDOW
+  for length, w in ((100, 100), (long, incremental.MBP_WINDOW)):
+    r = bounds.step_read_bytes(LCA, "verify", 2, 3, length, 0.25, 2.0)
+    assert r["lm_fraction"] == pytest.approx(f)
+    assert r["params"] == pytest.approx(4 * (every + g["mbp"] + 6 * d + f * g["lm"]))
+    assert r["kv"] == pytest.approx(
+      2 * kv_slot * ((LCA.n_enc + LCA.n_dec) * length + f * LCA.n_lm * (length + 1) + 2 * w)
+    )
+    assert r["total"] == pytest.approx(r["params"] + r["kv"])
+  length = 100
   # a flat model: encoder + head only, whatever the latents
   gf = bounds.param_counts(FLAT)
   r = bounds.step_read_bytes(FLAT, "ntp", 1, 1, length, 0.5, 1.0)

@@ -18,12 +18,13 @@ Bytes one step must read (``step_read_bytes``), per mode at batch B, W bytes fed
          + f_lm * latent LM stack                                        (only when a group closes)
          + LCA-MBP stack + MLP-MBP heads                                 (threshold / verify)
   kv     = 2 (k and v) * B * n_kv_heads * head_dim * itemsize(cfg.dtype) *
-           ( (n_enc + n_dec) * L  +  f_lm * n_lm * (L + 1)  +  n_mbp * min(L, MBP_WINDOW) )
+           ( (n_enc + n_dec) * L  +  f_lm * n_lm * (L + 1)  +  n_mbp * W )
   read   = params + kv
 
 L is the cache length the engine allocates (``cache_len``; the step reads the whole buffer
-under a mask), the LM cache has a slot per byte plus the null group, the LCA-MBP head reads a
-window of ``MBP_WINDOW`` slots (the engine's usual case). ``f_lm`` is the expected fraction of
+under a mask), the LM cache has a slot per byte plus the null group, the LCA-MBP head reads
+W = ``incremental.mbp_window(L, k)`` slots (a window of ``MBP_WINDOW`` on long caches, the
+engine's usual case there; the whole cache on short ones). ``f_lm`` is the expected fraction of
 steps in which the latent LM runs (it runs under a ``lax.cond`` when any row closes a group):
 with measured latents per byte ``r`` and bytes per step per row ``k``, a row closes a group in
 a step with probability ``p = min(1, r * k)`` and the batch with ``1 - (1 - p) ** B`` (= r * k at
@@ -48,7 +49,7 @@ import numpy as np
 from lca_jax.decode import engine
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import init_params
-from lca_jax.model.incremental import MBP_WINDOW
+from lca_jax.model.incremental import mbp_window
 
 PARAM_ITEMSIZE = 4  # parameters stay float32 (ModelConfig.dtype is the compute dtype)
 MULTI_BYTE_MODES = ("threshold", "verify")  # modes whose steps run the model's own MBP head
@@ -173,7 +174,7 @@ def step_read_bytes(
   if cfg.hierarchical:
     slots += cfg.n_dec * length + f_lm * cfg.n_lm * (length + 1)
     if multi and cfg.has_lca:
-      slots += cfg.n_mbp * min(length, MBP_WINDOW)
+      slots += cfg.n_mbp * mbp_window(length, width)
   params = float(sum(counted.values()))
   kv = float(per_slot * slots)
   return dict(params=params, kv=kv, total=params + kv, lm_fraction=f_lm, groups=counted)

@@ -368,6 +368,20 @@ def mbp_copies(cfg: ModelConfig, params, state: DecodeState, n_copies: int):
 
 
 MBP_WINDOW = 128  # cache slots the LCA-MBP head attends per step when every query's keys fit
+# A cache shorter than this many windows is attended whole: below it the window saves less
+# than its ``lax.cond`` (a host-synchronizing branch, two copies of the stack) costs a small
+# model's step (the demo model's threshold step: 515 -> 455 ops, see docs/design.md §6.5).
+MBP_WINDOW_FROM = 4
+
+
+def mbp_window(length_cap: int, n_queries: int) -> int:
+  """Cache slots the LCA-MBP head attends for ``n_queries`` queries: ``MBP_WINDOW`` on a cache
+  of at least ``MBP_WINDOW_FROM`` windows (when the keys fit it; the whole cache otherwise),
+  else the whole cache."""
+  w = MBP_WINDOW
+  if length_cap < MBP_WINDOW_FROM * w or n_queries >= w:
+    return length_cap
+  return w
 
 
 def _mbp_stack(cfg, params, state: DecodeState, m_BQD, grp_BQ, ord_BQ, key_g_BL, key_ord_BL):
@@ -375,9 +389,9 @@ def _mbp_stack(cfg, params, state: DecodeState, m_BQD, grp_BQ, ord_BQ, key_g_BL,
 
   A query's keys lie in [first byte of group g - 1, query] (docs/design.md §3.2), so the
   block needs only the slots from the first byte of group ``grp[:, 0] - 1`` to its last
-  written slot. When that span fits ``MBP_WINDOW`` slots in every row, attend that window only
-  (O(W) per step instead of O(L)); otherwise (very long groups) attend the whole cache. Same
-  numbers both ways.
+  written slot. On a long cache (``mbp_window``), when that span fits ``MBP_WINDOW`` slots in
+  every row, attend that window only (O(W) per step instead of O(L)); otherwise (very long
+  groups) attend the whole cache. Same numbers both ways.
   """
   length_cap, q = key_g_BL.shape[1], grp_BQ.shape[1]
   length = state.length
@@ -387,8 +401,8 @@ def _mbp_stack(cfg, params, state: DecodeState, m_BQD, grp_BQ, ord_BQ, key_g_BL,
     cfg, params, "mbp", m_BQD, ord_BQ, m, state.mbp, length, window, defer=True
   )
   full = lambda: run(mask(key_g_BL, key_ord_BL), None)
-  w = MBP_WINDOW
-  if w >= length_cap or q >= w:  # short caches, prefill
+  w = mbp_window(length_cap, q)
+  if w == length_cap:  # short caches, prefill
     out, entries = full()
   else:
     # committed group ids are non-decreasing: the trailing bytes of groups >= first query's - 1
