@@ -19,7 +19,7 @@ $(STAMP): requirements.txt setup.py
 	$(VPY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-# Trains configs/demo.py on the bundled corpus (~5-6 minutes on 2 CPU cores), then prints held-out
+# Trains configs/demo.py on the bundled corpus (~7.5 minutes on 2 CPU cores in all), then prints held-out
 # bpb, the learned segmentation, ntp / verify / threshold decoding, and writes the loss curve
 # (README "Demo"). A finished DEMO_DIR is not retrained: rerunning only samples again.
 demo: $(STAMP)

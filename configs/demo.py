@@ -1,4 +1,4 @@
-"""The `make demo` model: LCA-MBP sized for ~5-6 minutes of 2 CPU cores, bundled corpus.
+"""The `make demo` model: LCA-MBP sized for ~7.5 minutes of 2 CPU cores (all of make demo), bundled corpus.
 
 Run:
     lca-train --config configs/demo.py --workdir workdirs/demo
