@@ -224,7 +224,7 @@ def _check_gen_args(a, modes=None, taus=None, ns=None):
   temperature = getattr(a, "temperature", None)
   top_p = getattr(a, "top_p", None)
   for mode in modes or [a.mode]:
-    if modes is not None and mode not in engine.MODES:
+    if modes is not None and mode not in engine.POLICIES:
       continue  # the sweep grid reports it with the list of its modes
     for tau in taus or [getattr(a, "tau", 0.9)]:
       for n in ns or [getattr(a, "n", 3)]:

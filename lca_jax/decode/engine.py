@@ -231,8 +231,17 @@ def _run(cfgs, plan: Plan, length: int, emit, params, prompt_BP, plen_B, key, ta
 DECODE_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-def _compiler_options():
-  return dict(DECODE_CPU_OPTIONS) if jax.default_backend() == "cpu" else None
+def _compile(lowered):
+  """``lowered.compile`` with ``DECODE_CPU_OPTIONS`` on CPU; an XLA that does not know one of
+  them (an older jaxlib) compiles with its defaults instead."""
+  if jax.default_backend() != "cpu":
+    return lowered.compile()
+  try:
+    return lowered.compile(compiler_options=dict(DECODE_CPU_OPTIONS))
+  except Exception as e:  # noqa: BLE001 - XLA's error type differs across jaxlib versions
+    if not any(name in str(e) for name in DECODE_CPU_OPTIONS):
+      raise
+    return lowered.compile()
 
 
 class _Executable(NamedTuple):
@@ -253,7 +262,7 @@ def _compiled(cfgs, plan, length, args) -> _Executable:
     sink = _Sink()
     emit = sink.emit if plan.stream else None
     fn = jax.jit(lambda *a: _run(cfgs, plan, length, emit, *a))
-    exe = fn.lower(*args).compile(compiler_options=_compiler_options())
+    exe = _compile(fn.lower(*args))
     _COMPILED[sig] = _Executable(exe, time.perf_counter() - t0, sink)
   return _COMPILED[sig]
 

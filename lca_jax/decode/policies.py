@@ -145,6 +145,7 @@ class Policy:
   multi_byte: bool = True  # needs n >= 2 and a model (or drafter) with a multi-byte head
   uses_drafter: bool = False  # candidates come from a second model
   target_mbp: bool = False  # the target model's caches also run its multi-byte head
+  uses_tau: bool = False  # the acceptance threshold tau matters (a sweep varies it)
 
   def copies_in_extend(self, plan: Plan) -> int:
     """LCA-MBP copies each extend computes along for the next step's draft."""
@@ -208,6 +209,7 @@ class Threshold(NextByte):
   name = "threshold"
   multi_byte = True
   target_mbp = True
+  uses_tau = True
 
   def copies_in_extend(self, plan):
     return plan.n - 2 if plan.source == "lca" else 0

@@ -20,21 +20,22 @@ from tqdm import tqdm
 
 from lca_jax import api, jsonio
 from lca_jax.decode.engine import DecodeError
+from lca_jax.decode.policies import POLICIES
 from lca_jax.eval import plots, tasks
-
-MODES = ("ntp", "threshold", "verify", "drafter")
 
 
 def grid(modes: Sequence[str], taus: Sequence[float], ns: Sequence[int]) -> List[tuple]:
-  """(mode, tau, n) combinations, in a stable order."""
+  """(mode, tau, n) combinations, in a stable order: one per single-byte mode, one per n for
+  a multi-byte one, one per (tau, n) where the mode's policy uses tau."""
   out = []
   for mode in modes:
-    if mode not in MODES:
-      raise tasks.TaskError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-    if mode == "ntp":
-      out.append(("ntp", None, 1))
-    elif mode == "threshold":
-      out += [("threshold", float(t), int(n)) for t in taus for n in ns]
+    if mode not in POLICIES:
+      raise tasks.TaskError(f"unknown mode {mode!r}; choose from {', '.join(POLICIES)}")
+    policy = POLICIES[mode]
+    if not policy.multi_byte:
+      out.append((mode, None, 1))
+    elif policy.uses_tau:
+      out += [(mode, float(t), int(n)) for t in taus for n in ns]
     else:
       out += [(mode, None, int(n)) for n in ns]
   return out
@@ -135,8 +136,9 @@ def run_sweep(
       info = {"checkpoint": path, "label": label, "mode": mode, "tau": tau, "n": n}
       if bar is not None:
         bar.set_postfix_str(f"{label} {mode} n={n}" + (f" tau={tau}" if tau is not None else ""))
-      if mode == "drafter" and drafter_model is None:
-        skipped.append(dict(info, reason="drafter mode needs --drafter"))
+      uses_drafter = POLICIES[mode].uses_drafter
+      if uses_drafter and drafter_model is None:
+        skipped.append(dict(info, reason=f"{mode} mode needs --drafter"))
       else:
         try:
           r = tasks.run_task(
@@ -148,7 +150,7 @@ def run_sweep(
             n=max(n, 2),
             max_bytes=max_bytes,
             batch_size=batch_size,
-            drafter=drafter_model if mode == "drafter" else None,
+            drafter=drafter_model if uses_drafter else None,
             seed=seed,
             metric=metric,
             keep_outputs=False,
