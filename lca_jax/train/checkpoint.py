@@ -369,6 +369,11 @@ class Checkpointer:
     with self._cleanup_lock:
       self._settle(before)
       gc.collect()  # ends the failed batch's coroutines now, not noisily at interpreter exit
+      # one still held by a writer thread may only be finalized at exit ("coroutine
+      # 'write_fragment' was never awaited"): after a failed save that is expected, not news
+      warnings.filterwarnings(
+        "ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning
+      )
       self._remove_partial(step)
       self._unsealed = [s for s in self._unsealed if s != step]
       problem = os_problem(exc)
