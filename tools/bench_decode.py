@@ -166,6 +166,34 @@ def model_info(model) -> dict:
 
 
 # ---- one measurement --------------------------------------------------------------------------
+def timed_decode(model, prompts, kw, repeats: int) -> dict:
+  """``model.generate(prompts, **kw)`` after a warm-up: the fastest of ``repeats`` calls
+  (``best``), the fastest prefill + one step call (``prefill``: ``max_bytes=1``, timed alone),
+  and the decode steps' own figures (``ms_per_step``, ``decode_bytes_per_s``): the call minus
+  the prefill, or the whole call when too few new bytes rise above the timing noise
+  (``separable`` False)."""
+  model.generate(prompts, **kw)  # warm-up (compiles)
+  runs = [model.generate(prompts, **kw) for _ in range(repeats)]
+  best = max(runs, key=lambda r: r.bytes_per_s)
+  kw1 = dict(kw, max_bytes=1)
+  model.generate(prompts, **kw1)  # compiles
+  pre = min((model.generate(prompts, **kw1) for _ in range(repeats)), key=lambda r: r.elapsed_s)
+  dec_s, dec_steps = best.elapsed_s - pre.elapsed_s, best.steps - pre.steps
+  dec_bytes = sum(len(x) for x in best.ids) - sum(len(x) for x in pre.ids)
+  separable = dec_s > 0 and dec_steps > 0 and dec_bytes > 0
+  if not separable:
+    dec_s, dec_steps = best.elapsed_s, max(best.steps, 1)
+    dec_bytes = sum(len(x) for x in best.ids)
+  return dict(
+    best=best,
+    prefill=pre,
+    first=runs[0],
+    separable=separable,
+    ms_per_step=dec_s / dec_steps * 1e3,
+    decode_bytes_per_s=dec_bytes / dec_s,
+  )
+
+
 def step_bound(model, mode, bsz, width, length, res, stream_bps, ms) -> dict:
   """Bytes one step must read and the streaming bound for a measured result ``res`` whose
   decode steps took ``ms`` each."""
@@ -303,37 +331,24 @@ def main(argv=None):
         max_bytes=a.new_bytes,
         ignore_eos=True,
       )
-      model.generate(prompts, **kw)  # warm-up (compiles)
-      runs = [model.generate(prompts, **kw) for _ in range(a.repeats)]
-      best = max(runs, key=lambda r: r.bytes_per_s)
-      # the prompt's prefill (+ one step), timed alone, comes off the decode figures
-      kw1 = dict(kw, max_bytes=1)
-      model.generate(prompts, **kw1)  # compiles
-      pre = min(
-        (model.generate(prompts, **kw1) for _ in range(a.repeats)), key=lambda r: r.elapsed_s
-      )
-      dec_s, dec_steps = best.elapsed_s - pre.elapsed_s, best.steps - pre.steps
-      dec_bytes = sum(len(x) for x in best.ids) - sum(len(x) for x in pre.ids)
-      separable = dec_s > 0 and dec_steps > 0 and dec_bytes > 0
-      if not separable:  # too few new bytes to rise above timing noise: whole-call figures
-        dec_s, dec_steps = best.elapsed_s, max(best.steps, 1)
-        dec_bytes = sum(len(x) for x in best.ids)
+      t = timed_decode(model, prompts, kw, a.repeats)
+      best, pre, separable = t["best"], t["prefill"], t["separable"]
       width = 1 if kw["mode"] == "ntp" else a.n
       length = bounds.cache_len(
         [p.size for p in prompts], a.new_bytes, width, model.cfg.max_seq_len
       )
       row = dict(
         bytes_per_s=round(best.bytes_per_s, 1),
-        decode_bytes_per_s=round(dec_bytes / dec_s, 1),
+        decode_bytes_per_s=round(t["decode_bytes_per_s"], 1),
         prefill_s=round(pre.elapsed_s, 4),
         step_time_from="decode steps" if separable else "whole call (prefill not separable)",
         steps=best.steps,
         bytes_per_step=round(sum(len(x) for x in best.ids) / bsz / max(best.steps, 1), 3),
         acceptance_rate=None if mode == "ntp" else round(best.acceptance_rate, 4),
         latent_steps_per_byte=round(best.latent_steps_per_byte, 4),
-        compile_s=round(runs[0].compile_s, 1),
+        compile_s=round(t["first"].compile_s, 1),
       )
-      ms = dec_s / dec_steps * 1e3
+      ms = t["ms_per_step"]
       row.update(step_bound(model, kw["mode"], bsz, width, length, best, stream["bytes_per_s"], ms))
       row["step_hlo"] = hlo_step(model, prompts, kw, length)
       out["results"][f"{mode}_b{bsz}"] = row

@@ -624,9 +624,8 @@ def lca_decode(model, prompt, args, stream_bps: float):
     ignore_eos=True,
     seed=args.seed,
   )
-  first = model.generate(prompt, **kw)  # warm-up (compiles)
-  runs = [model.generate(prompt, **kw) for _ in range(args.repeats)]
-  best = max(runs, key=lambda r: r.bytes_per_s)
+  t = bench_decode.timed_decode(model, [prompt], kw, args.repeats)
+  best = t["best"]
   length = bounds.cache_len([prompt.size], args.new_bytes, 1, model.cfg.max_seq_len)
   row = dict(
     bytes_per_s=best.bytes_per_s,
@@ -634,9 +633,13 @@ def lca_decode(model, prompt, args, stream_bps: float):
     steps=best.steps,
     elapsed_s=best.elapsed_s,
     latent_steps_per_byte=best.latent_steps_per_byte,
-    compile_s=first.compile_s,
+    compile_s=t["first"].compile_s,
+    decode_bytes_per_s=t["decode_bytes_per_s"],
+    prefill_s=t["prefill"].elapsed_s,
   )
-  row.update(bench_decode.step_bound(model, "ntp", 1, 1, length, best, stream_bps))
+  row.update(
+    bench_decode.step_bound(model, "ntp", 1, 1, length, best, stream_bps, t["ms_per_step"])
+  )
   return row
 
 
