@@ -19,6 +19,7 @@ import pytest
 
 from lca_jax import vocab
 from lca_jax.cli import eval as cli
+from lca_jax.decode import policies
 from lca_jax.decode.engine import DecodeError, GenerateResult
 from lca_jax.eval import bpb, ifeval, metrics, plots, sweep, tasks
 
@@ -341,6 +342,31 @@ def test_run_task_modes_and_ifeval_sampling(files):
   assert math.isnan(r["acceptance_rate"]) and r["accepted_hist"] == {} and r["n"] == 1
   with pytest.raises(tasks.TaskError, match="metric 'bleu'"):
     tasks.run_task(model, "ifeval", ex, metric="bleu")
+
+
+def test_sweep_grid_follows_the_policy_registry():
+  """The grid comes from each mode's policy: one point for ntp, one per n for verify /
+  drafter, one per (tau, n) for threshold; a registered mode is swept like the others."""
+  assert sweep.grid(["ntp", "threshold", "verify"], [0.5, 0.9], [2, 3]) == [
+    ("ntp", None, 1),
+    ("threshold", 0.5, 2),
+    ("threshold", 0.5, 3),
+    ("threshold", 0.9, 2),
+    ("threshold", 0.9, 3),
+    ("verify", None, 2),
+    ("verify", None, 3),
+  ]
+  with pytest.raises(tasks.TaskError, match="unknown mode 'toy_tau'"):
+    sweep.grid(["toy_tau"], [0.5], [2])
+
+  class ToyTau(policies.Policy):
+    name, uses_tau = "toy_tau", True
+
+  policies.register(ToyTau())
+  try:
+    assert sweep.grid(["toy_tau"], [0.5], [2, 4]) == [("toy_tau", 0.5, 2), ("toy_tau", 0.5, 4)]
+  finally:
+    policies.POLICIES.pop("toy_tau")
 
 
 def test_sweep_with_stand_in_models(files, tmp_path):
