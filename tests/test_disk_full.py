@@ -20,7 +20,6 @@ if __name__ != "__main__":
 import errno  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,9 +110,7 @@ def _env(spec=None) -> dict:
     PYTHONPATH=ROOT,
     LCA_TEST_DISK_FULL=json.dumps(spec or {}),
   )
-  cache = os.environ.get(
-    "LCA_JAX_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), "lca_jax_test_xla_cache")
-  )
+  cache = os.environ.get("LCA_JAX_TEST_XLA_CACHE", "0")  # opt-in, as in conftest.py
   if cache not in ("", "0"):
     env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
   return env

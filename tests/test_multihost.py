@@ -24,7 +24,6 @@ import shutil  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,9 +172,7 @@ def child_env(devices: int, spec=None, **extra) -> dict:
     LCA_TRAIN=f"{PY} {THIS} --child",
     LCA_TEST_CHILD=json.dumps(spec or {}),
   )
-  cache = os.environ.get(
-    "LCA_JAX_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), "lca_jax_test_xla_cache")
-  )
+  cache = os.environ.get("LCA_JAX_TEST_XLA_CACHE", "0")  # opt-in, as in conftest.py
   if cache not in ("", "0"):
     env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
   env.update({k: str(v) for k, v in extra.items()})
