@@ -47,12 +47,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from lca_jax.decode import engine
+from lca_jax.decode.policies import POLICIES
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import init_params
 from lca_jax.model.incremental import mbp_window
 
 PARAM_ITEMSIZE = 4  # parameters stay float32 (ModelConfig.dtype is the compute dtype)
-MULTI_BYTE_MODES = ("threshold", "verify")  # modes whose steps run the model's own MBP head
 
 
 # ---- bandwidth ------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def step_read_bytes(
   """Bytes one decode step must read (see the module docstring): ``params``, ``kv``, ``total``,
   the ``lm_fraction`` used and the ``groups`` of parameters counted (name -> bytes)."""
   groups = param_counts(cfg)
-  multi = mode in MULTI_BYTE_MODES
+  multi = POLICIES[mode].target_mbp  # the step runs the model's own multi-byte head
   k = float(width if bytes_per_step is None else bytes_per_step)
   f_lm = lm_fraction(latents_per_byte, k, batch) if cfg.hierarchical else 0.0
   counted = {}

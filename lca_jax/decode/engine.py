@@ -25,7 +25,6 @@ from lca_jax.errors import LcaError
 from lca_jax.model import incremental
 from lca_jax.model.config import ModelConfig
 
-MODES = ("ntp", "threshold", "verify", "drafter")  # the built-in policies (decode.policies)
 MAX_N = 64  # most bytes proposed per step (``n``) in the multi-byte modes
 STOP_REASONS = ("eos", "max_bytes", "context", "steps")
 
@@ -82,7 +81,7 @@ def check_options(
   """The decoding options of ``generate`` checked (types, ranges, NaN) without a model; returns
   them normalized (Python ints / floats). Raises ``DecodeError`` naming the first bad one.
 
-  ``mode`` one of the registered policies (MODES and any added with
+  ``mode`` one of ``policies.POLICIES`` (ntp, threshold, verify, drafter and any added with
   ``policies.register``); ``n`` in [2, MAX_N] in the multi-byte modes (ignored in ntp);
   ``max_bytes`` >= 1; ``tau`` in [0, 1]; ``temperature`` >= 0 (0 = greedy); ``top_k`` >= 0
   (0 = off); ``top_p`` in (0, 1]; ``seed`` and ``pad_to`` (>= 1) integers."""

@@ -149,6 +149,7 @@ class _Block(NamedTuple):
   k_B: jax.Array  # real bytes per row
   pos_BK: jax.Array  # absolute byte positions (length + j)
   valid_BK: jax.Array  # j < k_B
+  has_B: jax.Array  # the row feeds at least one byte (rows that feed none keep their state)
   last_B: jax.Array  # index of each row's last real byte in the block (0 if none)
   causal_BKL: jax.Array  # causal mask of the block's queries over the byte caches
 
@@ -209,7 +210,7 @@ def _latents(cfg, params, state: DecodeState, blk: _Block, h_BKD, closes_BK) -> 
   u = state.n_closed[:, None] + cum  # closed groups through each new byte
   grp = u - closes_BK.astype(jnp.int32)
   closed_last = _take(closes_BK, blk.last_B)
-  has = blk.k_B > 0
+  has = blk.has_B
   fields = dict(
     lm=_write(state.lm, lm_new, first_slot),
     z=z,
@@ -264,10 +265,11 @@ def extend(
     k_B,
     pos,
     j < k_B[:, None],
+    k_B > 0,
     jnp.maximum(k_B - 1, 0),
     masks.cache_causal_mask(pos, length_cap),
   )
-  has_new = k_B > 0
+  has_new = blk.has_B
   x = _apply(cfg, params, ByteLM.embed, new_ids_BK)
   h, enc = _stack(cfg, params, "encoder", x, pos, blk.causal_BKL, state.enc, state.length)
   new = dict(
@@ -333,7 +335,7 @@ def _lca_step(cfg, params, state, blk: _Block, lat: _Latents, new, n_copies, las
     logits = _apply(cfg, params, ByteLM.logits, h_m)
     out["mbp_logits"] = logits[:, :k]
     last_mbp, copies = _take(logits, blk.last_B), logits[:, k:]
-  has = blk.k_B > 0
+  has = blk.has_B
   fields = dict(mbp=mbp, last_mbp=_keep(has, last_mbp, state.last_mbp))
   if c:
     fields["last_copies"] = _keep(has, copies, state.last_copies)
