@@ -35,7 +35,6 @@ class Model:
     self.extras = dict(extras or {})
     self.module = ByteLM(cfg)
     self._forward = jax.jit(lambda p, ids: self.module.apply({"params": p}, ids, train=False))
-    self._engine = None
 
   def __repr__(self):
     return f"Model({self.cfg.kind}, d={self.cfg.d_model}, source={self.source!r})"

@@ -10,6 +10,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import functools  # noqa: E402
+import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import sys  # noqa: E402
 
@@ -24,6 +25,7 @@ import flax.linen as nn  # noqa: E402  pylint: disable=g-import-not-at-top
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top
 
+from lca_jax.decode import engine  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.model.config import ModelConfig  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.model.hierarchical import init_params  # noqa: E402  pylint: disable=g-import-not-at-top
 
@@ -211,6 +213,18 @@ def fast_compile():
   jax.config.update("jax_disable_most_optimizations", True)
   yield
   jax.config.update("jax_disable_most_optimizations", old)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """After each test module, drop the executables it compiled (the decode engine's cache and
+  jax's jit caches). One process runs the whole suite, and XLA:CPU's JIT code takes memory
+  mappings (~900 per decode executable) out of vm.max_map_count (65530 by default): kept
+  until the end, they aborted the suite inside XLA's compiler near its end."""
+  yield
+  engine.clear_compiled()
+  jax.clear_caches()
+  gc.collect()
 
 
 @pytest.fixture

@@ -362,3 +362,24 @@ def test_clear_errors():
     lca.generate("ab", mode="beam")
   with pytest.raises(engine.DecodeError, match="drafter"):
     fxt.generate("ab", mode="drafter")
+
+
+def test_executable_cache_is_bounded_lru():
+  """The engine keeps at most ``capacity`` executables (each holds ~900 memory mappings of JIT
+  code, out of vm.max_map_count); the least recently used goes first, and ``built`` counts
+  every compilation, so compiled_count() still tells a caller that a call compiled."""
+  cache = engine._ExecutableCache(capacity=2)
+  built = []
+
+  def get(sig):
+    return cache.get(sig, lambda: built.append(sig) or f"exe-{sig}")
+
+  assert get("a") == "exe-a" and get("b") == "exe-b" and get("a") == "exe-a"
+  assert built == ["a", "b"] and len(cache) == 2 and cache.built == 2
+  get("c")  # evicts b, the least recently used
+  assert len(cache) == 2 and cache.built == 3
+  get("a")
+  get("b")  # compiled again
+  assert built == ["a", "b", "c", "b"] and cache.built == 4 and len(cache) == 2
+  cache.clear()
+  assert len(cache) == 0 and cache.built == 4

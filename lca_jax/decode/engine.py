@@ -8,6 +8,7 @@ byte budget, lets the policy commit them, streams them and counts. ``generate`` 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import numbers
@@ -249,25 +250,64 @@ class _Executable(NamedTuple):
   sink: _Sink
 
 
-_COMPILED: dict = {}
+class _ExecutableCache:
+  """The most recently used ``capacity`` executables, by static signature (LRU eviction).
+
+  Bounded on purpose: the JIT code of one XLA:CPU decode executable occupies ~900 memory
+  mappings, and a process may hold at most ``vm.max_map_count`` of them (65530 by default on
+  Linux); the unbounded cache this replaces aborted a long process (the test suite) inside XLA
+  once ~70 signatures had been compiled. ``built`` counts compilations (never decreases)."""
+
+  def __init__(self, capacity: int):
+    self.capacity = capacity
+    self.built = 0
+    self._entries: collections.OrderedDict = collections.OrderedDict()
+
+  def get(self, sig, build) -> _Executable:
+    if sig in self._entries:
+      self._entries.move_to_end(sig)
+      return self._entries[sig]
+    ex = build()
+    self.built += 1
+    self._entries[sig] = ex
+    while len(self._entries) > self.capacity:
+      self._entries.popitem(last=False)
+    return ex
+
+  def clear(self):
+    self._entries.clear()
+
+  def __len__(self):
+    return len(self._entries)
+
+
+# 16 signatures (~15k mappings) cover a sweep's modes x widths x prompt buckets in turn.
+_EXECUTABLES = _ExecutableCache(capacity=16)
 
 
 def _compiled(cfgs, plan, length, args) -> _Executable:
   """One XLA executable per static signature; reused across calls (no retracing)."""
   shapes = tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args))
-  sig = (cfgs, plan, length, shapes)
-  if sig not in _COMPILED:
+
+  def build():
     t0 = time.perf_counter()
     sink = _Sink()
     emit = sink.emit if plan.stream else None
     fn = jax.jit(lambda *a: _run(cfgs, plan, length, emit, *a))
     exe = _compile(fn.lower(*args))
-    _COMPILED[sig] = _Executable(exe, time.perf_counter() - t0, sink)
-  return _COMPILED[sig]
+    return _Executable(exe, time.perf_counter() - t0, sink)
+
+  return _EXECUTABLES.get((cfgs, plan, length, shapes), build)
 
 
 def compiled_count() -> int:
-  return len(_COMPILED)
+  """Executables compiled by this process so far (a new signature adds one)."""
+  return _EXECUTABLES.built
+
+
+def clear_compiled():
+  """Drop the kept executables (a long-lived process that is done decoding, the tests)."""
+  _EXECUTABLES.clear()
 
 
 @dataclasses.dataclass
