@@ -30,11 +30,11 @@ from lca_jax.model.config import ModelConfig  # noqa: E402  pylint: disable=g-im
 from lca_jax.model.hierarchical import init_params  # noqa: E402  pylint: disable=g-import-not-at-top
 
 # A persistent XLA cache across runs is opt-in: LCA_JAX_TEST_XLA_CACHE=DIR (faster reruns).
-# Off by default: with jaxlib 0.10.2 on CPU, the full suite segfaulted twice (same place,
-# tests/test_tool_demo_sample.py) inside jax's cache read (compilation_cache.
-# get_executable_and_time); the same tests pass run alone on a fresh cache. No size limit on
-# purpose when on: jax's LRU eviction stops writing for good once any process without it has
-# written an entry.
+# Off by default: without eviction jax writes entries unlocked (an entry read while a child
+# process of a multi-process test writes it can be torn), and a fresh machine gains nothing.
+# (The suite's segfaults that first looked like cache reads were the memory-mapping limit, see
+# _release_compiled_programs.) No size limit on purpose when on: jax's LRU eviction stops
+# writing for good once any process without it has written an entry.
 _cache = os.environ.get("LCA_JAX_TEST_XLA_CACHE", "0")
 if _cache not in ("", "0"):
   jax.config.update("jax_compilation_cache_dir", _cache)
