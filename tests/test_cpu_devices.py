@@ -8,6 +8,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
+import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import pytest  # noqa: E402
 from conftest import ROOT, TRAIN_TINY  # noqa: E402
@@ -27,9 +28,9 @@ def _mesh(**kw):
   [
     (0, 4, 2, 2),  # auto: two streams on a multi-core host
     (0, 4, 16, 2),
-    (0, 1, 2, 1),  # one row cannot be split
+    (0, 1, 2, 2),  # one row: the devices split heads and MLP (cpu_mesh)
     (0, 6, 2, 2),
-    (0, 3, 2, 1),  # odd rows
+    (0, 3, 2, 2),
     (0, 4, 1, 1),  # one core
     (3, 1, 1, 3),  # explicit values are kept (the mesh checks the rows later)
     (1, 4, 2, 1),
@@ -42,6 +43,39 @@ def test_cpu_device_count_rule(cpu_devices, rows, cores, want):
 def test_cpu_device_count_without_the_field_is_auto():
   m = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   assert shd.cpu_device_count(m, 4, 2) == 2
+
+
+@pytest.mark.parametrize(
+  "axes,rows,n,want",
+  [
+    ({}, 4, 2, (-1, 1, 1)),  # rows divide: data-parallel, unchanged
+    ({}, 1, 2, (-1, 1, 2)),  # one row: both devices on 'tensor'
+    ({}, 3, 2, (-1, 1, 2)),
+    ({}, 6, 4, (-1, 1, 2)),  # 2 ways data, 2 ways tensor
+    ({"tensor": 2}, 1, 2, (-1, 1, 2)),  # the config's own layout is kept
+    ({"fsdp": 2}, 1, 2, (-1, 2, 1)),
+  ],
+)
+def test_cpu_mesh_puts_devices_rows_cannot_use_on_tensor(axes, rows, n, want):
+  mesh = _mesh(**axes)
+  got = shd.cpu_mesh(mesh, rows, n)
+  assert tuple(got[a] for a in shd.AXES) == want
+  assert shd.mesh_shape(got, n)[0] * shd.mesh_shape(got, n)[1] <= n
+  assert tuple(mesh[a] for a in shd.AXES) == tuple(
+    {"data": -1, "fsdp": 1, "tensor": 1, **axes}[a] for a in shd.AXES
+  )  # not modified
+
+
+def test_make_mesh_lays_out_a_cpu_split_only():
+  """Two CPU devices of an auto split and one row: tensor 2. Eight forced devices (XLA_FLAGS,
+  not the split) keep the config's data-parallel layout, so a row count that does not divide
+  still fails where it did."""
+  devs = jax.devices()
+  auto = shd.cpu_device_count(_mesh(), 1)
+  mesh = shd.make_mesh(_mesh(), devs[:auto], micro_rows=1)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": auto}
+  mesh8 = shd.make_mesh(_mesh(), devs, micro_rows=1)
+  assert dict(mesh8.shape) == {"data": len(devs), "fsdp": 1, "tensor": 1}
 
 
 def test_negative_cpu_devices_is_one_line_config_error():
@@ -98,18 +132,28 @@ from lca_jax.train import loop
 orig = loop.prepare
 def spy(config, devices=None):
   setup = orig(config, devices)
-  print("mesh devices", setup.mesh.devices.size, file=sys.stderr)
+  print("mesh devices", setup.mesh.devices.size, dict(setup.mesh.shape), file=sys.stderr)
   return setup
 loop.prepare = spy
 sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-def test_lca_train_runs_data_parallel_over_two_cpu_devices(tmp_path):
+@pytest.mark.parametrize(
+  "rows,layout",
+  [(8, "{'data': 2, 'fsdp': 1, 'tensor': 1}"), (1, "{'data': 1, 'fsdp': 1, 'tensor': 2}")],
+)
+def test_lca_train_runs_over_two_cpu_devices(tmp_path, rows, layout):
   """No XLA_FLAGS: lca-train splits the host into the devices asked for (auto on a >= 2-core
-  host; given explicitly here so the test holds on a 1-core machine too), 8 rows over 2."""
+  host; given explicitly here so the test holds on a 1-core machine too): 8 rows run
+  data-parallel over 2, a single row splits heads and MLP over them."""
   auto = (os.cpu_count() or 1) >= 2
-  extra = ["train.steps=2"] + ([] if auto else ["mesh.cpu_devices=2"])
+  extra = [
+    "train.steps=2",
+    f"train.micro_batch_size={rows}",
+    f"train.global_batch_bytes={32 * rows}",
+  ]
+  extra += [] if auto else ["mesh.cpu_devices=2"]
   argv = ["--config", os.path.join(ROOT, "configs", "tiny_lca_mbp.py"), "--workdir"]
   argv += [str(tmp_path / "w")] + [f"--config.{o}" for o in TRAIN_TINY + extra]
   out = subprocess.run(
@@ -121,5 +165,5 @@ def test_lca_train_runs_data_parallel_over_two_cpu_devices(tmp_path):
     cwd=ROOT,
   )
   assert out.returncode == 0, out.stderr[-2000:]
-  assert "mesh devices 2" in out.stderr, out.stderr[-2000:]
+  assert f"mesh devices 2 {layout}" in out.stderr, out.stderr[-2000:]
   assert "lca-train: done at step 2" in out.stderr, out.stderr[-2000:]

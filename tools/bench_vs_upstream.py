@@ -21,7 +21,8 @@ byte ids of lca_jax.vocab = the ByT5 ids upstream uses, documents ending with EO
   * lca_jax: the same shape as a configs/lca_mbp.py config with ``--config.x.y=v`` overrides
     (printed as ``lca_train_overrides``), float32, lambdas 1/1/10, Adam with the same clip;
     ``loop.prepare`` / ``setup.init_state`` / ``setup.train_step(state, setup.device_batch(b))``
-    exactly as lca-train. The mesh uses gcd(devices, B) devices so that B rows divide over it.
+    exactly as lca-train, on the same mesh (a CPU host split in two runs B rows data-parallel
+    when they divide, else splits heads and MLP; other hosts use gcd(devices, B) devices).
 
 ``--warmup`` steps are not timed (for lca_jax the first one compiles: ``compile_s``). Prints one
 JSON object: per shape the bytes/s and seconds per optimizer step of both sides and
@@ -382,10 +383,11 @@ def lca_config(args, layers, b: int, t: int, data: str, max_seq_len: int):
   return config, overrides
 
 
-def jax_devices_for(rows: int):
-  """The first gcd(#devices, rows) devices: the rows of a step divide over the mesh."""
+def jax_devices_for(config, rows: int):
+  """All devices when they are this host's CPU split (rows that do not divide over it split the
+  heads instead, ``sharding.cpu_mesh``), else the first gcd(#devices, rows)."""
   devs = jax.devices()
-  return devs[: math.gcd(len(devs), rows)]
+  return devs if shd.is_cpu_split(config.mesh, devs) else devs[: math.gcd(len(devs), rows)]
 
 
 def read_rows(config, plan, n: int):
@@ -412,6 +414,7 @@ def bench_lca(setup, host, warmup: int) -> dict:
     compile_s=compile_s,
     init_s=init_s,
     devices=int(setup.mesh.devices.size),
+    mesh={k: int(v) for k, v in setup.mesh.shape.items()},
     bytes_per_latent=(sum(bpl) / len(bpl)) if bpl else None,
     final_loss=float(ms[-1]["loss"]),
   )
@@ -765,7 +768,8 @@ def torch_device(device: str) -> str:
 def use_cpu_devices(shapes) -> None:
   """As lca-train: a CPU host split into ``mesh.cpu_devices`` devices (the base config's rule),
   fixed once per process before any backend starts, for the shape that asks for the most; a
-  shape whose rows do not divide over them uses fewer (``jax_devices_for``)."""
+  shape whose rows do not divide over them splits heads and MLP over them instead
+  (``sharding.cpu_mesh``)."""
   mesh = configs_io.load_config(BASE_CONFIG).mesh
   try:
     shd.use_cpu_devices(max(shd.cpu_device_count(mesh, b) for b, _ in shapes))
@@ -795,7 +799,7 @@ def run_train(args) -> dict:
     key = f"{b}x{t}"
     try:
       config, _ = lca_config(args, layers, b, t, data, max_seq_len)
-      setup = loop.prepare(config, jax_devices_for(b))
+      setup = loop.prepare(config, jax_devices_for(config, b))
       host = read_rows(config, setup.plan, args.warmup + args.steps)
     except (ConfigError, configs_io.ConfigFileError, TrainError, DataError, shd.MeshError) as e:
       raise BenchError(f"shape {key}: {e}") from None

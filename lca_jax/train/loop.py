@@ -179,7 +179,7 @@ def prepare(config, devices: Optional[Sequence[Any]] = None) -> Setup:
   The compiled parts are shared by every config with an equal ``CompileSpec`` (model,
   optimizer, schedule horizon, loss weights, seed, mesh); the mesh and batch plan are
   rebuilt from ``config`` on each call."""
-  mesh = shd.make_mesh(config.mesh, devices)
+  mesh = shd.make_mesh(config.mesh, devices, micro_rows=int(config.train.micro_batch_size))
   plan = inputs.plan_batches(config, mesh)
   spec = CompileSpec.of(config, mesh)
   return Setup(config=config, model_cfg=spec.model, mesh=mesh, plan=plan, **_compile(spec))

@@ -74,19 +74,39 @@ def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
 def cpu_device_count(mesh_cfg, micro_rows: int, cores: Optional[int] = None) -> int:
   """Devices a CPU-only host is split into (``mesh.cpu_devices``; 0 = auto).
 
-  The rows of a step are then data-parallel over them, each device running its own stream of
-  XLA:CPU thunks on the shared thread pool. One stream leaves a core idle whenever it runs a
-  sequential part (a blockwise-attention loop nest, a chain of small ops); two keep both busy.
-  Measured on 2 cores (``tools/bench_vs_upstream.py train``, 4 x 1024 bytes, d 256): 3.87 ->
-  3.18 s per step. Auto = 2 when the host has >= 2 cores and the micro-batch rows are even (the
-  batch must divide over the devices), else 1. Accelerator backends ignore it."""
+  Each device runs its own stream of XLA:CPU thunks on the shared thread pool. One stream
+  leaves a core idle whenever it runs a sequential part (a blockwise-attention loop nest, a
+  chain of small ops); two keep both busy. Auto = 2 on a host with >= 2 cores, else 1; the rows
+  of a step are data-parallel over them when they divide, else the devices split the heads and
+  the MLP (``cpu_mesh``). Measured on 2 cores (``tools/bench_vs_upstream.py train``, d 256):
+  4 x 1024 bytes data-parallel 3.87 -> 3.18 s per step; 1 x 4096 tensor-parallel 6.1 -> 5.0 s.
+  ``micro_rows`` is accepted for the callers' symmetry with ``cpu_mesh``. Accelerator backends
+  ignore it."""
+  del micro_rows
   n = int(mesh_cfg.get("cpu_devices", 0) or 0) if hasattr(mesh_cfg, "get") else 0
   if n < 0:
     raise MeshError(f"mesh.cpu_devices must be >= 0 (0 = auto), got {n}")
   if n:
     return n
   cores = (os.cpu_count() or 1) if cores is None else cores
-  return 2 if cores >= 2 and micro_rows % 2 == 0 else 1
+  return 2 if cores >= 2 else 1
+
+
+def cpu_mesh(mesh_cfg, micro_rows: int, n_devices: int):
+  """The mesh config for a CPU host split into ``n_devices`` by ``mesh.cpu_devices``.
+
+  Unchanged when the rows of a micro-batch divide over the devices (data-parallel) or when the
+  config sets its own layout (any of data, fsdp, tensor off its default -1, 1, 1). Otherwise the
+  devices the rows cannot use go to 'tensor' (heads, kv heads, MLP and vocabulary split; a
+  dimension the axis does not divide stays replicated): one row of 4096 bytes runs as two
+  half-width streams instead of one stream and an idle core. Returns a dict (a copy)."""
+  sizes = tuple(int(mesh_cfg.get(a, d)) for a, d in zip(AXES, (-1, 1, 1)))
+  data_par = math.gcd(n_devices, max(int(micro_rows), 1))
+  out = dict(mesh_cfg.items())
+  if sizes != (-1, 1, 1) or data_par == n_devices:
+    return out
+  out["tensor"] = n_devices // data_par
+  return out
 
 
 def use_cpu_devices(n: int) -> int:
@@ -103,11 +123,29 @@ def use_cpu_devices(n: int) -> int:
   return len(jax.devices("cpu"))
 
 
-def make_mesh(mesh_cfg, devices: Optional[Sequence[Any]] = None) -> jax.sharding.Mesh:
+def make_mesh(
+  mesh_cfg, devices: Optional[Sequence[Any]] = None, micro_rows: Optional[int] = None
+) -> jax.sharding.Mesh:
+  """The mesh of ``mesh_cfg`` over ``devices`` (default: all). Given ``micro_rows``, a
+  single-process CPU host split by ``mesh.cpu_devices`` (as many devices as the split asks
+  for) is laid out by ``cpu_mesh``."""
   devices = list(devices) if devices is not None else jax.devices()
+  if micro_rows is not None and is_cpu_split(mesh_cfg, devices):
+    mesh_cfg = cpu_mesh(mesh_cfg, micro_rows, len(devices))
   shape = mesh_shape(mesh_cfg, len(devices))
   return jax.make_mesh(
     shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices
+  )
+
+
+def is_cpu_split(mesh_cfg, devices) -> bool:
+  """Whether ``devices`` are a single-process CPU host split by ``mesh.cpu_devices`` (as many
+  as the split asks for; a count forced by XLA_FLAGS is not)."""
+  return (
+    len(devices) > 1
+    and jax.process_count() == 1
+    and all(d.platform == "cpu" for d in devices)
+    and len(devices) == cpu_device_count(mesh_cfg, 0)
   )
 
 
