@@ -10,11 +10,12 @@ batches of the configured data (read beforehand, so the data pipeline is not tim
 host->device copy is). Same jitted step, mesh and shardings as lca-train.
 
 Before running, it compiles the step and prints what it costs (``lca_jax/train/costs.py``):
-``xla_flops`` (XLA cost analysis of the compiled step), ``executed_flops`` (that plus the
+``xla_flops`` (XLA cost analysis of the compiled step: one device's program x the devices of the
+mesh; ``xla_flops_per_device``), ``executed_flops`` (that plus the
 attention tiles XLA's analysis does not see inside loops), ``useful_flops`` (6 x params per
 stage x tokens through it + the attention the masks need, on a regular layout of groups of
 ``--group-len`` bytes, default 1 / bp_prior), their ratio, the tiles each attention stack runs,
-the compiled step's temp memory (``memory_analysis``), its largest buffer and every buffer with
+the compiled step's temp memory (``memory_analysis``, per device), its largest buffer and every buffer with
 two dimensions >= T (there should be none). ``--lower-only`` stops there (no data, no
 parameters allocated: paper-scale configs on a small machine).
 """
@@ -58,13 +59,18 @@ def step_costs(setup, group_len=None) -> dict:
   doc, _, lplan = costs.regular_layout(cfg, p.micro, p.seq_len, group_len)
   useful = costs.useful_flops(cfg, params, doc, lplan)
   loops = costs.attention_loop_correction(cfg, doc, lplan, p.micro)
-  xla = costs.xla_flops(compiled)
+  # XLA's analysis is of one device's partitioned program: the whole mesh executes
+  # devices x that (replicated work counts once per device that does it). The tile correction
+  # is already for the whole micro-batch (all rows, all heads).
+  n_dev = int(setup.mesh.devices.size)
+  xla = costs.xla_flops(compiled) * n_dev
   # XLA counts the micro-batch scan body once too (accum > 1): scale the model part.
   executed = xla * p.accum + loops["flops"] * p.accum
   mem = compiled.memory_analysis()
   out = dict(
     compile_s=round(compile_s, 2),
     xla_flops=xla,
+    xla_flops_per_device=xla / n_dev,
     executed_flops=executed,
     useful_flops=useful["total"] * p.accum,
     executed_over_useful=executed / (useful["total"] * p.accum),
