@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lca_jax import vocab
+from lca_jax import vocab, xla_options
 from lca_jax.decode.policies import POLICIES, Ctx, LoopState, Plan
 from lca_jax.decode.sampling import SamplingParams
 from lca_jax.errors import LcaError
@@ -222,26 +222,11 @@ def _run(cfgs, plan: Plan, length: int, emit, params, prompt_BP, plen_B, key, ta
   )
 
 
-# XLA:CPU options of the decode executable. A decode step multiplies a few rows (the bytes of
-# a step, the rows of a batch) by every weight matrix; XLA:CPU sends such dots (2-64 rows) to
-# YNNPACK by default, which is 1.5-2x slower than its Eigen path there ([3, 1024] x
-# [1024, 1024]: 829 vs 572 us; [32, 1024] x [1024, 1024]: 1621 vs 977 us on the 2-core dev
-# VM), while single-row dots use XLA's own matvec either way. Training keeps the defaults
-# (its dots have thousands of rows).
-DECODE_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
 def _compile(lowered):
-  """``lowered.compile`` with ``DECODE_CPU_OPTIONS`` on CPU; an XLA that does not know one of
-  them (an older jaxlib) compiles with its defaults instead."""
-  if jax.default_backend() != "cpu":
-    return lowered.compile()
-  try:
-    return lowered.compile(compiler_options=dict(DECODE_CPU_OPTIONS))
-  except Exception as e:  # noqa: BLE001 - XLA's error type differs across jaxlib versions
-    if not any(name in str(e) for name in DECODE_CPU_OPTIONS):
-      raise
-    return lowered.compile()
+  """``lowered.compile`` with the XLA:CPU options of ``lca_jax/xla_options.py`` on CPU (dots
+  of a few rows through Eigen rather than YNNPACK)."""
+  opts = xla_options.cpu_options()
+  return lowered.compile(compiler_options=opts) if opts else lowered.compile()
 
 
 class _Executable(NamedTuple):

@@ -1,0 +1,46 @@
+"""XLA:CPU compile options of the train / eval steps and the decode executables.
+
+XLA:CPU sends dots to YNNPACK fusions by default. Both of our hot paths run faster through its
+Eigen path instead (measured on the 2-core AMD EPYC dev VM):
+
+* decoding multiplies a few rows (the bytes of a step, the rows of a batch) by every weight:
+  [3, 1024] x [1024, 1024] 829 -> 572 us, [32, 1024] x [1024, 1024] 1621 -> 977 us;
+* a train step on a CPU host split into two devices (``train/sharding.py::cpu_mesh``), both
+  executables in one process, 5 alternating repetitions each (d 256, layers 2/4/2/2):
+  1 x 4096 bytes tensor-parallel 5.08 -> 4.76 s per step (every repetition faster);
+  4 x 1024 data-parallel 3.33 vs 3.38 s (equal within the noise).
+
+Accelerator backends get no options; an XLA that does not know the option (an older jaxlib)
+compiles with its defaults.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterable, Optional
+
+import jax
+
+CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_options_known() -> bool:
+  """Whether this jaxlib's XLA:CPU accepts ``CPU_OPTIONS`` (one tiny compile, once)."""
+  try:
+    jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options=dict(CPU_OPTIONS))
+  except Exception as e:  # noqa: BLE001 - XLA's error type differs across jaxlib versions
+    if not any(name in str(e) for name in CPU_OPTIONS):
+      raise
+    return False
+  return True
+
+
+def cpu_options(devices: Optional[Iterable] = None) -> Optional[dict]:
+  """``CPU_OPTIONS`` when ``devices`` (default: the default backend's) are all CPU devices and
+  XLA knows them, else None (compile with the defaults)."""
+  if devices is None:
+    on_cpu = jax.default_backend() == "cpu"
+  else:
+    on_cpu = all(d.platform == "cpu" for d in devices)
+  return dict(CPU_OPTIONS) if on_cpu and _cpu_options_known() else None
