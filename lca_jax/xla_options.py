@@ -1,14 +1,16 @@
-"""XLA:CPU compile options of the train / eval steps and the decode executables.
+"""XLA:CPU compile options of the decode executables.
 
-XLA:CPU sends dots to YNNPACK fusions by default. Both of our hot paths run faster through its
-Eigen path instead (measured on the 2-core AMD EPYC dev VM):
+XLA:CPU sends dots to YNNPACK fusions by default. Decoding multiplies a few rows (the bytes of a
+step, the rows of a batch) by every weight, which runs faster through its Eigen path (2-core
+AMD EPYC dev VM): [3, 1024] x [1024, 1024] 829 -> 572 us, [32, 1024] x [1024, 1024] 1621 ->
+977 us.
 
-* decoding multiplies a few rows (the bytes of a step, the rows of a batch) by every weight:
-  [3, 1024] x [1024, 1024] 829 -> 572 us, [32, 1024] x [1024, 1024] 1621 -> 977 us;
-* a train step on a CPU host split into two devices (``train/sharding.py::cpu_mesh``), both
-  executables in one process, 5 alternating repetitions each (d 256, layers 2/4/2/2):
-  1 x 4096 bytes tensor-parallel 5.08 -> 4.76 s per step (every repetition faster);
-  4 x 1024 data-parallel 3.33 vs 3.38 s (equal within the noise).
+The train step would gain too on a CPU host split into two devices (both executables in one
+process, 5 alternating repetitions each, d 256, layers 2/4/2/2): 1 x 4096 bytes
+tensor-parallel 5.08 -> 4.76 s per step, 4 x 1024 data-parallel unchanged (3.33 vs 3.38 s).
+It does not use them: a ``jax.jit`` given ``compiler_options`` cannot be traced inside another
+transformation (``jax.make_jaxpr``, a caller's own jit or scan), and ``Setup.train_step`` stays
+composable. (docs/design.md §5.3.)
 
 Accelerator backends get no options; an XLA that does not know the option (an older jaxlib)
 compiles with its defaults.

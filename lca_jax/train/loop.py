@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lca_jax import xla_options
 from lca_jax.model.config import ModelConfig
 from lca_jax.train import checkpoint as ckpt_lib
 from lca_jax.train import hooks as hooks_lib
@@ -151,19 +150,16 @@ def _compile(spec: CompileSpec) -> dict:
     spec.model, tx, schedule, spec.lambdas, grad_shardings=shardings.params
   )
   rep = shd.replicated(spec.mesh)
-  opts = xla_options.cpu_options(spec.mesh.devices.flat)  # dots via Eigen on CPU (see there)
   train_step = jax.jit(
     step_fn,
     in_shardings=(shardings, shd.batch_sharding(spec.mesh, True)),
     out_shardings=(shardings, rep),
     donate_argnums=(0,),
-    compiler_options=opts,
   )
   eval_step = jax.jit(
     step_lib.make_eval_step(spec.model, spec.lambdas),
     in_shardings=(shardings.params, shd.batch_sharding(spec.mesh, False)),
     out_shardings=rep,
-    compiler_options=opts,
   )
   init_fn = st.make_init_fn(spec.model, tx, spec.seed, shardings)
   return dict(
