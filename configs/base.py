@@ -66,9 +66,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.data = -1  # -1: all devices not used by the other axes
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
-  # CPU backend only: devices the host is split into (data-parallel over the rows of a step);
-  # 0 = auto (2 on a host with >= 2 cores when the micro-batch rows are even), see
-  # lca_jax/train/sharding.py::cpu_device_count. XLA_FLAGS's device count takes precedence.
+  # CPU backend only: devices the host is split into (data-parallel over the rows of a step
+  # when they divide, else heads and MLP split over them: sharding.py::cpu_mesh);
+  # 0 = auto (2 on a host with >= 2 cores), see lca_jax/train/sharding.py::cpu_device_count.
+  # XLA_FLAGS's device count takes precedence.
   c.mesh.cpu_devices = 0
   return c
 
