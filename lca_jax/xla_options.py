@@ -19,7 +19,7 @@ compiles with its defaults.
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Optional
+from typing import Optional
 
 import jax
 
@@ -38,11 +38,8 @@ def _cpu_options_known() -> bool:
   return True
 
 
-def cpu_options(devices: Optional[Iterable] = None) -> Optional[dict]:
-  """``CPU_OPTIONS`` when ``devices`` (default: the default backend's) are all CPU devices and
-  XLA knows them, else None (compile with the defaults)."""
-  if devices is None:
-    on_cpu = jax.default_backend() == "cpu"
-  else:
-    on_cpu = all(d.platform == "cpu" for d in devices)
+def cpu_options() -> Optional[dict]:
+  """``CPU_OPTIONS`` when the default backend is the CPU and XLA knows them, else None
+  (compile with the defaults)."""
+  on_cpu = jax.default_backend() == "cpu"
   return dict(CPU_OPTIONS) if on_cpu and _cpu_options_known() else None

@@ -135,7 +135,7 @@ def main(argv=None):
     configs_io.load_config(args.config), configs_io.split_overrides(rest)
   )
   # as lca-train: a CPU host split into mesh.cpu_devices devices (before any backend starts)
-  shd.use_cpu_devices(shd.cpu_device_count(config.mesh, int(config.train.micro_batch_size)))
+  shd.use_cpu_devices(shd.cpu_device_count(config.mesh))
   setup = loop.prepare(config)
   plan = setup.plan
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(setup.abstract.params))

@@ -765,20 +765,19 @@ def torch_device(device: str) -> str:
   return device
 
 
-def use_cpu_devices(shapes) -> None:
+def use_cpu_devices() -> None:
   """As lca-train: a CPU host split into ``mesh.cpu_devices`` devices (the base config's rule),
-  fixed once per process before any backend starts, for the shape that asks for the most; a
-  shape whose rows do not divide over them splits heads and MLP over them instead
-  (``sharding.cpu_mesh``)."""
+  fixed once per process before any backend starts; a shape whose rows do not divide over
+  them splits heads and MLP over them instead (``sharding.cpu_mesh``)."""
   mesh = configs_io.load_config(BASE_CONFIG).mesh
   try:
-    shd.use_cpu_devices(max(shd.cpu_device_count(mesh, b) for b, _ in shapes))
+    shd.use_cpu_devices(shd.cpu_device_count(mesh))
   except shd.MeshError as e:
     raise BenchError(str(e)) from None
 
 
 def run_train(args) -> dict:
-  use_cpu_devices(parse_shapes(args.shapes))
+  use_cpu_devices()
   src, shapes, layers, device = _validate(args)
   data = ",".join(os.path.abspath(p.strip()) for p in args.data.split(",") if p.strip())
   torch.set_num_threads(os.cpu_count() or 1)

@@ -128,8 +128,7 @@ def main(argv=None) -> int:
   exit_now = distributed.exit_now if multi else None
   if not multi:  # before anything starts a backend (a multi-process run keeps jax's default)
     try:
-      rows = int(config.train.micro_batch_size)
-      sharding.use_cpu_devices(sharding.cpu_device_count(config.mesh, rows))
+      sharding.use_cpu_devices(sharding.cpu_device_count(config.mesh))
     except sharding.MeshError as e:
       return _fail(str(e))
   if multi:

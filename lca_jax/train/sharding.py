@@ -71,7 +71,7 @@ def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
   return tuple(sizes)
 
 
-def cpu_device_count(mesh_cfg, micro_rows: int, cores: Optional[int] = None) -> int:
+def cpu_device_count(mesh_cfg, cores: Optional[int] = None) -> int:
   """Devices a CPU-only host is split into (``mesh.cpu_devices``; 0 = auto).
 
   Each device runs its own stream of XLA:CPU thunks on the shared thread pool. One stream
@@ -80,9 +80,7 @@ def cpu_device_count(mesh_cfg, micro_rows: int, cores: Optional[int] = None) -> 
   of a step are data-parallel over them when they divide, else the devices split the heads and
   the MLP (``cpu_mesh``). Measured on 2 cores (``tools/bench_vs_upstream.py train``, d 256):
   4 x 1024 bytes data-parallel 3.87 -> 3.18 s per step; 1 x 4096 tensor-parallel 6.1 -> 5.0 s.
-  ``micro_rows`` is accepted for the callers' symmetry with ``cpu_mesh``. Accelerator backends
-  ignore it."""
-  del micro_rows
+  Accelerator backends ignore it."""
   n = int(mesh_cfg.get("cpu_devices", 0) or 0) if hasattr(mesh_cfg, "get") else 0
   if n < 0:
     raise MeshError(f"mesh.cpu_devices must be >= 0 (0 = auto), got {n}")
@@ -145,7 +143,7 @@ def is_cpu_split(mesh_cfg, devices) -> bool:
     len(devices) > 1
     and jax.process_count() == 1
     and all(d.platform == "cpu" for d in devices)
-    and len(devices) == cpu_device_count(mesh_cfg, 0)
+    and len(devices) == cpu_device_count(mesh_cfg)
   )
 
 
