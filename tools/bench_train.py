@@ -35,7 +35,7 @@ if ROOT not in sys.path:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from lca_jax import configs_io  # noqa: E402
+from lca_jax import configs_io, hostmem  # noqa: E402
 from lca_jax.train import costs, inputs, loop, metrics, timing  # noqa: E402
 from lca_jax.train import sharding as shd  # noqa: E402
 
@@ -143,6 +143,8 @@ def main(argv=None):
     config=os.path.relpath(args.config, ROOT),
     backend=jax.default_backend(),
     device_kind=jax.devices()[0].device_kind,
+    thp_mode=hostmem.thp_mode(),
+    glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
     devices=setup.mesh.devices.size,
     mesh=dict(setup.mesh.shape),
     params=int(n_params),
@@ -162,4 +164,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+  hostmem.use_huge_pages()  # as lca-train runs (lca_jax/hostmem.py)
   main()

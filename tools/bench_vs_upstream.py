@@ -24,7 +24,10 @@ byte ids of lca_jax.vocab = the ByT5 ids upstream uses, documents ending with EO
     exactly as lca-train, on the same mesh (a CPU host split in two runs B rows data-parallel
     when they divide, else splits heads and MLP; other hosts use gcd(devices, B) devices).
 
-``--warmup`` steps are not timed (for lca_jax the first one compiles: ``compile_s``). Prints one
+Both sides run in this one process, started as lca-train starts (``lca_jax/hostmem.py``: large
+host buffers on transparent huge pages where the kernel's THP mode is ``madvise``), so the
+paper's code gets the same allocator setting; ``machine`` prints ``thp_mode`` and
+``glibc_tunables``. ``--warmup`` steps are not timed (for lca_jax the first one compiles: ``compile_s``). Prints one
 JSON object: per shape the bytes/s and seconds per optimizer step of both sides and
 ``ratio`` = lca_jax bytes/s / upstream bytes/s, plus machine info, model shape and the parameter
 counts of both sides (equal once lca_jax's vocabulary padding rows are removed).
@@ -82,7 +85,7 @@ import jaxlib  # noqa: E402  pylint: disable=g-import-not-at-top
 import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top
 import torch  # noqa: E402  pylint: disable=g-import-not-at-top
 
-from lca_jax import configs_io, vocab  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax import configs_io, hostmem, vocab  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.api import Model  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.data.errors import DataError  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.decode import bounds  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -319,6 +322,8 @@ def machine_info(torch_device: str) -> dict:
     jax_devices=len(jax.devices()),
     torch_device=torch_device,
     torch_threads=torch.get_num_threads(),
+    thp_mode=hostmem.thp_mode(),
+    glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
   )
   if torch_device == "cuda":
     info["torch_cuda_device"] = torch.cuda.get_device_name(0)
@@ -866,4 +871,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+  hostmem.use_huge_pages()  # as lca-train runs; one process, so both sides get it
   main()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lca_jax import api, jsonio
+from lca_jax import api, hostmem, jsonio
 from lca_jax.cli.common import fail
 from lca_jax.data.errors import DataError
 from lca_jax.data.pipeline import make_eval_pipeline
@@ -308,6 +308,8 @@ def _cmd_sweep(a) -> int:
 
 
 def main(argv=None) -> int:
+  if argv is None:  # run as a program: large host buffers on huge pages (lca_jax/hostmem.py)
+    hostmem.use_huge_pages()
   a = _parser().parse_args(argv)
   try:
     return {"bpb": _cmd_bpb, "tasks": _cmd_tasks, "sweep": _cmd_sweep}[a.command](a)

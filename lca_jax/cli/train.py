@@ -23,7 +23,7 @@ import argparse
 import os
 import sys
 
-from lca_jax import configs_io
+from lca_jax import configs_io, hostmem
 from lca_jax.errors import LoadError
 from lca_jax.model.config import ConfigError
 from lca_jax.train.errors import NonFiniteLossError, TrainError
@@ -47,6 +47,8 @@ def _fail_multi(exit_now, msg: str, code: int = 2) -> int:
 
 
 def main(argv=None) -> int:
+  if argv is None:  # run as a program: large host buffers on huge pages (lca_jax/hostmem.py)
+    hostmem.use_huge_pages()
   parser = argparse.ArgumentParser(
     prog="lca-train",
     description=__doc__.split("\n\n")[0],

@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lca_jax.model.activations import gelu_exact
 from lca_jax.model.layers import Dense
 
 
@@ -21,7 +22,7 @@ class BoundaryPredictor(nn.Module):
   def __call__(self, h_BTD):
     h = h_BTD.astype(jnp.float32)
     h = Dense(self.d_inner, ("embed", "mlp"), jnp.float32, use_bias=True, name="fc1")(h)
-    h = nn.gelu(h, approximate=False)
+    h = gelu_exact(h)
     logit = Dense(1, ("mlp", None), jnp.float32, use_bias=True, name="fc2")(h)
     return logit[..., 0]
 

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lca_jax.model.activations import swiglu
+
 NEG_INF = -1e30
 Dtype = Any
 
@@ -259,7 +261,7 @@ class SwiGLU(nn.Module):
     d = x.shape[-1]
     gate = dense(self.d_inner, "gate_proj", ("embed", "mlp"), self.dtype)(x)
     up = dense(self.d_inner, "up_proj", ("embed", "mlp"), self.dtype)(x)
-    return dense(d, "down_proj", ("mlp", "embed"), self.dtype)(nn.silu(gate) * up)
+    return dense(d, "down_proj", ("mlp", "embed"), self.dtype)(swiglu(gate, up))
 
 
 class Block(nn.Module):
