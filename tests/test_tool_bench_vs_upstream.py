@@ -84,6 +84,12 @@ def test_train_tiny():
     assert r[side]["final_loss"] == r[side]["final_loss"]  # finite-ish: not NaN
   assert r["lca_jax"]["compile_s"] > 0
   assert r["ratio"] == pytest.approx(r["lca_jax"]["bytes_per_s"] / r["upstream"]["bytes_per_s"])
+  # steps interleaved: every timed step of each side, the ratio of each pair
+  n = len(r["upstream"]["step_s_all"])
+  assert n == len(r["lca_jax"]["step_s_all"]) >= 1
+  lo, hi = r["ratio_pairs_range"]
+  assert 0 < lo <= r["ratio_pairs_median"] <= hi
+  assert out["machine"]["thp_mode"] in (None, "always", "madvise", "never")
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,8 @@
 ``--upstream-src`` is a checkout of the paper's code (the folder holding ``src/model/modern_fxt.py``);
 it is imported at run time, nothing of it lives in this repository. For each shape ``BxT`` (rows x
 bytes) both sides train on the same rows of real text (the bundled demo corpus, or ``--data``, as
-byte ids of lca_jax.vocab = the ByT5 ids upstream uses, documents ending with EOS), upstream first:
+byte ids of lca_jax.vocab = the ByT5 ids upstream uses, documents ending with EOS), their optimizer steps interleaved (upstream, lca_jax, upstream, ...,
+so that a slow spell of a shared machine falls on both sides):
 
   * upstream: ``FxTTransformerLM`` built from ``config_to_upstream(ModelConfig)`` (a plain object
     with one attribute per key, as src/eval/model_loader.py does), float32, train mode, eager;
@@ -28,8 +29,9 @@ Both sides run in this one process, started as lca-train starts (``lca_jax/hostm
 host buffers on transparent huge pages where the kernel's THP mode is ``madvise``), so the
 paper's code gets the same allocator setting; ``machine`` prints ``thp_mode`` and
 ``glibc_tunables``. ``--warmup`` steps are not timed (for lca_jax the first one compiles: ``compile_s``). Prints one
-JSON object: per shape the bytes/s and seconds per optimizer step of both sides and
-``ratio`` = lca_jax bytes/s / upstream bytes/s, plus machine info, model shape and the parameter
+JSON object: per shape the bytes/s and seconds per optimizer step of both sides (median over the
+timed steps; every step in ``step_s_all``), ``ratio`` = lca_jax bytes/s / upstream bytes/s, and
+the median and range of the per-pair ratios (``ratio_pairs_median``, ``ratio_pairs_range``), plus machine info, model shape and the parameter
 counts of both sides (equal once lca_jax's vocabulary padding rows are removed).
 
 ``decode``: for each size of ``--sizes`` (``11m`` = d 256 / inner 1024 / 4 heads / layers
@@ -93,7 +95,7 @@ from lca_jax.interop import upstream as up_io  # noqa: E402  pylint: disable=g-i
 from lca_jax.interop.safetensors_io import read_safetensors  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.interop.upstream import config_to_upstream  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.model.config import ConfigError  # noqa: E402  pylint: disable=g-import-not-at-top
-from lca_jax.train import inputs, loop, timing  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.train import inputs, loop  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.train import sharding as shd  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.train.errors import TrainError  # noqa: E402  pylint: disable=g-import-not-at-top
 
@@ -408,21 +410,35 @@ def n_params_jax(params) -> int:
   return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
 
 
-def bench_lca(setup, host, warmup: int) -> dict:
-  timed = timing.time_train_steps(setup, host, warmup)
-  ms, step_s = timed["metrics"], timed["step_s"]
-  init_s, compile_s = timed["init_s"], timed["first_step_s"]
-  bpl = [float(x["bytes_per_latent"]) for x in ms if "bytes_per_latent" in x]
-  return dict(
-    bytes_per_s=setup.plan.bytes_per_step / step_s,
-    step_s=step_s,
-    compile_s=compile_s,
-    init_s=init_s,
-    devices=int(setup.mesh.devices.size),
-    mesh={k: int(v) for k, v in setup.mesh.shape.items()},
-    bytes_per_latent=(sum(bpl) / len(bpl)) if bpl else None,
-    final_loss=float(ms[-1]["loss"]),
-  )
+class LcaSide:
+  """lca-train's step on host batches, one call at a time: the state lives here."""
+
+  def __init__(self, setup):
+    self.setup = setup
+    t0 = time.perf_counter()
+    self.state = jax.block_until_ready(setup.init_state())
+    self.init_s = time.perf_counter() - t0
+    self.metrics = []
+
+  def step(self, host_batch) -> None:
+    s = self.setup
+    with shd.mesh_context(s.mesh):
+      self.state, m = s.train_step(self.state, s.device_batch(host_batch))
+      jax.block_until_ready((self.state, m))
+    self.metrics.append(m)
+
+  def summary(self, step_s: float, timed: int) -> dict:
+    ms = jax.device_get(self.metrics[-timed:])
+    bpl = [float(x["bytes_per_latent"]) for x in ms if "bytes_per_latent" in x]
+    return dict(
+      bytes_per_s=self.setup.plan.bytes_per_step / step_s,
+      step_s=step_s,
+      init_s=self.init_s,
+      devices=int(self.setup.mesh.devices.size),
+      mesh={k: int(v) for k, v in self.setup.mesh.shape.items()},
+      bytes_per_latent=(sum(bpl) / len(bpl)) if bpl else None,
+      final_loss=float(ms[-1]["loss"]),
+    )
 
 
 # ---- upstream side --------------------------------------------------------------------------
@@ -497,39 +513,72 @@ def upstream_step(model, opt, ids_BT: np.ndarray, device: str, script_id: int, c
   return total, stats
 
 
-def bench_upstream(cls, uc: dict, host, warmup: int, device: str, args) -> dict:
-  with warnings.catch_warnings():  # train.py ignores warnings too (var() of a 1-row batch)
-    warnings.filterwarnings("ignore", message=".*degrees of freedom", category=UserWarning)
-    return _bench_upstream(cls, uc, host, warmup, device, args)
+class UpstreamSide:
+  """The paper's model and Adam, one optimizer step at a time (src/train/train.py's step)."""
+
+  def __init__(self, cls, uc: dict, device: str, args):
+    self.model = build_upstream(cls, uc, device, args.seed)
+    self.opt = torch.optim.Adam(
+      self.model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+    )
+    self.sid, self.device, self.clip = upstream_script_id(uc), device, args.clip
+    self.losses, self.s_len = [], []
+
+  def step(self, host_batch) -> None:
+    with warnings.catch_warnings():  # train.py ignores warnings too (var() of a 1-row batch)
+      warnings.filterwarnings("ignore", message=".*degrees of freedom", category=UserWarning)
+      total, stats = upstream_step(
+        self.model, self.opt, host_batch["ids"], self.device, self.sid, self.clip
+      )
+    _sync(self.device)
+    self.losses.append(float(total.detach()))
+    self.s_len.append(stats.get("shortened_length"))
+
+  def summary(self, step_s: float, timed: int, rows: int, t: int) -> dict:
+    # shortened_length: null group + the most groups of any row in the batch
+    groups = [float(x) - 1 for x in self.s_len[-timed:] if x is not None]
+    return dict(
+      bytes_per_s=rows * t / step_s,
+      step_s=step_s,
+      bytes_per_latent=(t * len(groups) / sum(groups)) if groups and sum(groups) > 0 else None,
+      final_loss=self.losses[-1],
+    )
 
 
-def _bench_upstream(cls, uc: dict, host, warmup: int, device: str, args) -> dict:
-  model = build_upstream(cls, uc, device, args.seed)
-  opt = torch.optim.Adam(
-    model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
-  )
-  sid = upstream_script_id(uc)
-  for b in host[:warmup]:
-    upstream_step(model, opt, b["ids"], device, sid, args.clip)
-  _sync(device)
-  losses, s_len = [], []
+def _timed(fn, arg) -> float:
   t0 = time.perf_counter()
+  fn(arg)
+  return time.perf_counter() - t0
+
+
+def bench_pair(up: UpstreamSide, ours: LcaSide, host, warmup: int) -> dict:
+  """Both sides on the same batches, their steps interleaved (upstream, lca_jax, upstream, ...)
+  so that a slow spell of a shared machine falls on both; ``warmup`` steps of each untimed
+  (lca_jax's first compiles). Step time = median over the timed steps of each side; also the
+  median of the per-pair ratios."""
+  first_s = None
+  for i, b in enumerate(host[:warmup]):
+    up.step(b)
+    t = _timed(ours.step, b)
+    first_s = t if i == 0 else first_s
+  t_up, t_ours = [], []
   for b in host[warmup:]:
-    total, stats = upstream_step(model, opt, b["ids"], device, sid, args.clip)
-    losses.append(total.detach())
-    s_len.append(stats.get("shortened_length"))
-  _sync(device)
-  total_s = time.perf_counter() - t0
-  steps = len(host) - warmup
-  step_s = total_s / steps
+    t_up.append(_timed(up.step, b))
+    t_ours.append(_timed(ours.step, b))
   rows, t = host[0]["ids"].shape
-  # shortened_length: null group + the most groups of any row in the batch
-  groups = [float(x) - 1 for x in s_len if x is not None]
+  n = len(t_up)
+  a = up.summary(float(np.median(t_up)), n, rows, t)
+  o = ours.summary(float(np.median(t_ours)), n)
+  o["compile_s"] = first_s
+  a["step_s_all"] = [round(x, 4) for x in t_up]
+  o["step_s_all"] = [round(x, 4) for x in t_ours]
+  pairs = [u / w for u, w in zip(t_up, t_ours)]
   return dict(
-    bytes_per_s=rows * t / step_s,
-    step_s=step_s,
-    bytes_per_latent=(t * len(groups) / sum(groups)) if groups and sum(groups) > 0 else None,
-    final_loss=float(losses[-1]),
+    upstream=a,
+    lca_jax=o,
+    ratio=o["bytes_per_s"] / a["bytes_per_s"],
+    ratio_pairs_median=float(np.median(pairs)),
+    ratio_pairs_range=[float(min(pairs)), float(max(pairs))],
   )
 
 
@@ -814,11 +863,12 @@ def run_train(args) -> dict:
       )
     if n_ours is None:
       n_ours = n_params_jax(setup.abstract.params)
-    print(f"{PROG}: {key}: upstream ...", file=sys.stderr, flush=True)
-    up = bench_upstream(cls, uc, host, args.warmup, device, args)
-    print(f"{PROG}: {key}: lca_jax ...", file=sys.stderr, flush=True)
-    ours = bench_lca(setup, host, args.warmup)
-    results[key] = dict(upstream=up, lca_jax=ours, ratio=ours["bytes_per_s"] / up["bytes_per_s"])
+    print(
+      f"{PROG}: {key}: upstream and lca_jax, steps interleaved ...", file=sys.stderr, flush=True
+    )
+    results[key] = bench_pair(
+      UpstreamSide(cls, uc, device, args), LcaSide(setup), host, args.warmup
+    )
 
   pad = (model_cfg.vocab_size - model_cfg.n_tokens) * model_cfg.d_model * 2  # embedding + head rows
   enc, lm, dec, mbp = layers
