@@ -84,11 +84,11 @@ def test_train_tiny():
     assert r[side]["final_loss"] == r[side]["final_loss"]  # finite-ish: not NaN
   assert r["lca_jax"]["compile_s"] > 0
   assert r["ratio"] == pytest.approx(r["lca_jax"]["bytes_per_s"] / r["upstream"]["bytes_per_s"])
-  # steps interleaved: every timed step of each side, the ratio of each pair
+  # rounds of alternating blocks: every timed step of each side, the ratio of each round
   n = len(r["upstream"]["step_s_all"])
   assert n == len(r["lca_jax"]["step_s_all"]) >= 1
-  lo, hi = r["ratio_pairs_range"]
-  assert 0 < lo <= r["ratio_pairs_median"] <= hi
+  lo, hi = r["ratio_rounds_range"]
+  assert 0 < lo <= r["ratio_rounds_median"] <= hi
   assert out["machine"]["thp_mode"] in (None, "always", "madvise", "never")
 
 
@@ -118,6 +118,18 @@ def test_bad_shapes(shapes, tmp_path, capsys):
   assert e.value.code == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and "--shapes" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--rounds", "--warmup"])
+def test_bad_counts(flag, tmp_path, capsys):
+  fake = tmp_path / "src" / "model"
+  fake.mkdir(parents=True)
+  (fake / "modern_fxt.py").write_text("")
+  with pytest.raises(SystemExit) as e:
+    _tool().main(["train", "--upstream-src", str(tmp_path), flag, "0"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and flag in err and "Traceback" not in err
 
 
 def test_decode_tiny():

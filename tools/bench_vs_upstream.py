@@ -1,7 +1,7 @@
 """Training and decoding throughput of the paper's PyTorch code vs lca-jax, same model, one process.
 
     python tools/bench_vs_upstream.py train --upstream-src /tmp/upstream \
-        [--shapes 4x1024,1x4096] [--steps 10] [--warmup 2] \
+        [--shapes 4x1024,1x4096] [--steps 10] [--rounds 2] [--warmup 2] \
         [--d-model 256 --d-inner 1024 --n-heads 4 --layers 2,4,2,2] [--max-latent-ratio 0] \
         [--data FILE.txt]
     python tools/bench_vs_upstream.py decode --upstream-src /tmp/upstream \
@@ -10,8 +10,9 @@
 ``--upstream-src`` is a checkout of the paper's code (the folder holding ``src/model/modern_fxt.py``);
 it is imported at run time, nothing of it lives in this repository. For each shape ``BxT`` (rows x
 bytes) both sides train on the same rows of real text (the bundled demo corpus, or ``--data``, as
-byte ids of lca_jax.vocab = the ByT5 ids upstream uses, documents ending with EOS), their optimizer steps interleaved (upstream, lca_jax, upstream, ...,
-so that a slow spell of a shared machine falls on both sides):
+byte ids of lca_jax.vocab = the ByT5 ids upstream uses, documents ending with EOS), in ``--rounds`` alternating blocks of ``--steps`` timed steps per side
+(``bench_pair``: a slow spell of a shared machine falls on both sides, each timed in its steady
+state):
 
   * upstream: ``FxTTransformerLM`` built from ``config_to_upstream(ModelConfig)`` (a plain object
     with one attribute per key, as src/eval/model_loader.py does), float32, train mode, eager;
@@ -30,8 +31,8 @@ host buffers on transparent huge pages where the kernel's THP mode is ``madvise`
 paper's code gets the same allocator setting; ``machine`` prints ``thp_mode`` and
 ``glibc_tunables``. ``--warmup`` steps are not timed (for lca_jax the first one compiles: ``compile_s``). Prints one
 JSON object: per shape the bytes/s and seconds per optimizer step of both sides (median over the
-timed steps; every step in ``step_s_all``), ``ratio`` = lca_jax bytes/s / upstream bytes/s, and
-the median and range of the per-pair ratios (``ratio_pairs_median``, ``ratio_pairs_range``), plus machine info, model shape and the parameter
+timed steps of all rounds; every step in ``step_s_all``), ``ratio`` = lca_jax bytes/s / upstream bytes/s, and
+the median and range of the rounds' ratios (``ratio_rounds_median``, ``ratio_rounds_range``), plus machine info, model shape and the parameter
 counts of both sides (equal once lca_jax's vocabulary padding rows are removed).
 
 ``decode``: for each size of ``--sizes`` (``11m`` = d 256 / inner 1024 / 4 heads / layers
@@ -240,7 +241,12 @@ def _parser():
   tr = sub.add_parser("train", help="training throughput (bytes/s, s per optimizer step)")
   _upstream_src_arg(tr)
   tr.add_argument("--shapes", default="4x1024,1x4096", help="ROWSxBYTES per step, comma separated")
-  tr.add_argument("--steps", type=int, default=10, help="timed optimizer steps per side and shape")
+  tr.add_argument(
+    "--steps", type=int, default=10, help="timed optimizer steps per side, shape and round"
+  )
+  tr.add_argument(
+    "--rounds", type=int, default=2, help="alternating blocks of --steps steps per side (>= 1)"
+  )
   tr.add_argument(
     "--warmup", type=int, default=2, help="untimed steps first (>= 1; lca_jax compiles)"
   )
@@ -551,34 +557,42 @@ def _timed(fn, arg) -> float:
   return time.perf_counter() - t0
 
 
-def bench_pair(up: UpstreamSide, ours: LcaSide, host, warmup: int) -> dict:
-  """Both sides on the same batches, their steps interleaved (upstream, lca_jax, upstream, ...)
-  so that a slow spell of a shared machine falls on both; ``warmup`` steps of each untimed
-  (lca_jax's first compiles). Step time = median over the timed steps of each side; also the
-  median of the per-pair ratios."""
+def bench_pair(up: UpstreamSide, ours: LcaSide, host, warmup: int, rounds: int) -> dict:
+  """Both sides on the same batches: ``warmup`` untimed steps each (lca_jax's first compiles),
+  then ``rounds`` rounds of [one untimed step, the timed steps] of upstream, then the same of
+  lca_jax. Alternating blocks put a slow spell of a shared machine on both sides, and the
+  untimed step that opens each block keeps the cost of switching sides (the other side's
+  threads going idle, its freed memory mapped anew) out of both figures: each side is timed
+  in its steady state, as a training run is. Step time = median over all timed steps of a
+  side; also the median and range of the ratios of the rounds' mean step times."""
   first_s = None
   for i, b in enumerate(host[:warmup]):
     up.step(b)
     t = _timed(ours.step, b)
     first_s = t if i == 0 else first_s
-  t_up, t_ours = [], []
-  for b in host[warmup:]:
-    t_up.append(_timed(up.step, b))
-    t_ours.append(_timed(ours.step, b))
+  timed = host[warmup:]
+  t_up, t_ours, per_round = [], [], []
+  for _ in range(rounds):
+    means = []
+    for side, acc in ((up, t_up), (ours, t_ours)):
+      side.step(host[0])  # opens the block, untimed
+      ts = [_timed(side.step, b) for b in timed]
+      acc.extend(ts)
+      means.append(sum(ts) / len(ts))
+    per_round.append(means[0] / means[1])
   rows, t = host[0]["ids"].shape
-  n = len(t_up)
+  n = len(timed)
   a = up.summary(float(np.median(t_up)), n, rows, t)
   o = ours.summary(float(np.median(t_ours)), n)
   o["compile_s"] = first_s
   a["step_s_all"] = [round(x, 4) for x in t_up]
   o["step_s_all"] = [round(x, 4) for x in t_ours]
-  pairs = [u / w for u, w in zip(t_up, t_ours)]
   return dict(
     upstream=a,
     lca_jax=o,
     ratio=o["bytes_per_s"] / a["bytes_per_s"],
-    ratio_pairs_median=float(np.median(pairs)),
-    ratio_pairs_range=[float(min(pairs)), float(max(pairs))],
+    ratio_rounds_median=float(np.median(per_round)),
+    ratio_rounds_range=[float(min(per_round)), float(max(per_round))],
   )
 
 
@@ -803,6 +817,8 @@ def _validate(args):
     raise BenchError(f"--n-kv-heads must be >= 0 (0 = --n-heads), got {args.n_kv_heads}")
   if args.steps < 1:
     raise BenchError(f"--steps must be >= 1, got {args.steps}")
+  if args.rounds < 1:
+    raise BenchError(f"--rounds must be >= 1, got {args.rounds}")
   if args.warmup < 1:
     raise BenchError(f"--warmup must be >= 1 (the first lca_jax step compiles), got {args.warmup}")
   for f in (p.strip() for p in args.data.split(",") if p.strip()):
@@ -863,11 +879,9 @@ def run_train(args) -> dict:
       )
     if n_ours is None:
       n_ours = n_params_jax(setup.abstract.params)
-    print(
-      f"{PROG}: {key}: upstream and lca_jax, steps interleaved ...", file=sys.stderr, flush=True
-    )
+    print(f"{PROG}: {key}: upstream and lca_jax, rounds of steps ...", file=sys.stderr, flush=True)
     results[key] = bench_pair(
-      UpstreamSide(cls, uc, device, args), LcaSide(setup), host, args.warmup
+      UpstreamSide(cls, uc, device, args), LcaSide(setup), host, args.warmup, args.rounds
     )
 
   pad = (model_cfg.vocab_size - model_cfg.n_tokens) * model_cfg.d_model * 2  # embedding + head rows
