@@ -9,17 +9,18 @@ device per step, ~300k page faults and ~0.7 s of kernel time per step on 2 cores
 
 On Linux whose transparent huge pages are in ``madvise`` mode (the default of Debian, Ubuntu
 and others), glibc >= 2.35 marks its mmap-ed chunks MADV_HUGEPAGE when started with
-``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``: the same buffer then takes ~300 faults of 2 MiB
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``: the step's buffers then take ~1.1k faults of 2 MiB
 pages. Measured on the 2-core AMD EPYC dev VM (same process layout, median of 3-4 steps):
-4 x 1024 bytes 2.45 -> 2.3 s per step, 1 x 4096 bytes 3.8-4.5 -> 3.3-3.5 s; minor faults per
-step 300k -> ~1.5k, kernel time 0.7 -> 0.1 s (docs/design.md §5.3).
+4 x 1024 bytes 2.43-2.55 -> 2.12-2.40 s per step, 1 x 4096 bytes 3.8-4.5 -> 3.3-3.5 s; minor
+faults per step 300k -> ~1.4k, kernel time 0.7 -> 0.15 s (docs/design.md §5.3).
 
 A glibc tunable is read once, when the process starts, so ``use_huge_pages`` re-executes the
 program with it set (same argv, same pid: ``os.execve``). The CLIs call it first thing when they
 run as programs (``main()`` without arguments), before jax starts any thread; a library user
 sets ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the environment instead. Nothing happens
-where it cannot help: not Linux/glibc >= 2.35, THP mode ``always`` (already huge) or ``never``,
-the tunable already set, or ``LCA_JAX_HUGE_PAGES=0``.
+where it cannot help or could surprise: not Linux/glibc >= 2.35, THP mode ``always`` (already
+huge) or ``never``, the tunable already set, ``LCA_JAX_HUGE_PAGES=0``, or an interactive
+interpreter / IPython kernel (never restarted under its user).
 """
 
 from __future__ import annotations
@@ -73,10 +74,16 @@ def should_reexec(environ: Mapping[str, str], mode: Optional[str], glibc) -> boo
   return TUNABLE + "=" not in environ.get("GLIBC_TUNABLES", "")
 
 
+def _interactive() -> bool:
+  return bool(hasattr(sys, "ps1") or sys.flags.interactive) or any(
+    m in sys.modules for m in ("IPython", "ipykernel")
+  )
+
+
 def use_huge_pages() -> None:
   """Re-execute this program with the tunable set when that helps; call it before anything
   starts threads (first line of a CLI run as a program). Returns only when nothing is done."""
-  if not sys.platform.startswith("linux"):
+  if not sys.platform.startswith("linux") or _interactive():
     return
   if not should_reexec(os.environ, thp_mode(), glibc_version()):
     return
