@@ -47,6 +47,11 @@ def thp_mode(path: str = THP_ENABLED) -> Optional[str]:
   return text[start + 1 : end] if 0 <= start < end else None
 
 
+def describe() -> dict:
+  """What a benchmark should print beside its figures: the THP mode and GLIBC_TUNABLES."""
+  return dict(thp_mode=thp_mode(), glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""))
+
+
 def glibc_version() -> Optional[tuple[int, int]]:
   """(major, minor) of the C library when it is glibc, else None."""
   lib, version = platform.libc_ver()

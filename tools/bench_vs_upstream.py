@@ -10,9 +10,9 @@
 ``--upstream-src`` is a checkout of the paper's code (the folder holding ``src/model/modern_fxt.py``);
 it is imported at run time, nothing of it lives in this repository. For each shape ``BxT`` (rows x
 bytes) both sides train on the same rows of real text (the bundled demo corpus, or ``--data``, as
-byte ids of lca_jax.vocab = the ByT5 ids upstream uses, documents ending with EOS), in ``--rounds`` alternating blocks of ``--steps`` timed steps per side
-(``bench_pair``: a slow spell of a shared machine falls on both sides, each timed in its steady
-state):
+byte ids of lca_jax.vocab = the ByT5 ids upstream uses, documents ending with EOS), in ``--rounds``
+alternating blocks of ``--steps`` timed steps per side (``bench_pair``: a slow spell of a shared
+machine falls on both sides, each timed in its steady state):
 
   * upstream: ``FxTTransformerLM`` built from ``config_to_upstream(ModelConfig)`` (a plain object
     with one attribute per key, as src/eval/model_loader.py does), float32, train mode, eager;
@@ -29,10 +29,11 @@ state):
 Both sides run in this one process, started as lca-train starts (``lca_jax/hostmem.py``: large
 host buffers on transparent huge pages where the kernel's THP mode is ``madvise``), so the
 paper's code gets the same allocator setting; ``machine`` prints ``thp_mode`` and
-``glibc_tunables``. ``--warmup`` steps are not timed (for lca_jax the first one compiles: ``compile_s``). Prints one
-JSON object: per shape the bytes/s and seconds per optimizer step of both sides (median over the
-timed steps of all rounds; every step in ``step_s_all``), ``ratio`` = lca_jax bytes/s / upstream bytes/s, and
-the median and range of the rounds' ratios (``ratio_rounds_median``, ``ratio_rounds_range``), plus machine info, model shape and the parameter
+``glibc_tunables``. ``--warmup`` steps are not timed (for lca_jax the first one compiles:
+``compile_s``). Prints one JSON object: per shape the bytes/s and seconds per optimizer step of
+both sides (median over the timed steps of all rounds; every step in ``step_s_all``), ``ratio``
+= lca_jax bytes/s / upstream bytes/s, and the median and range of the rounds' ratios
+(``ratio_rounds_median``, ``ratio_rounds_range``), plus machine info, model shape and the parameter
 counts of both sides (equal once lca_jax's vocabulary padding rows are removed).
 
 ``decode``: for each size of ``--sizes`` (``11m`` = d 256 / inner 1024 / 4 heads / layers
@@ -330,8 +331,7 @@ def machine_info(torch_device: str) -> dict:
     jax_devices=len(jax.devices()),
     torch_device=torch_device,
     torch_threads=torch.get_num_threads(),
-    thp_mode=hostmem.thp_mode(),
-    glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
+    **hostmem.describe(),
   )
   if torch_device == "cuda":
     info["torch_cuda_device"] = torch.cuda.get_device_name(0)
@@ -565,11 +565,11 @@ def bench_pair(up: UpstreamSide, ours: LcaSide, host, warmup: int, rounds: int) 
   threads going idle, its freed memory mapped anew) out of both figures: each side is timed
   in its steady state, as a training run is. Step time = median over all timed steps of a
   side; also the median and range of the ratios of the rounds' mean step times."""
-  first_s = None
-  for i, b in enumerate(host[:warmup]):
+  up.step(host[0])
+  first_s = _timed(ours.step, host[0])  # compiles
+  for b in host[1:warmup]:
     up.step(b)
-    t = _timed(ours.step, b)
-    first_s = t if i == 0 else first_s
+    ours.step(b)
   timed = host[warmup:]
   t_up, t_ours, per_round = [], [], []
   for _ in range(rounds):

@@ -7,7 +7,7 @@ backward recomputes the cheap terms from the inputs it already holds (the inputs
 of matrix products that autodiff keeps anyway), so a layer's MLP saves three [tokens, d_inner]
 arrays and four passes over them (measured on the d 256 / inner 1024 model at 4 x 1024 bytes:
 docs/design.md §5.3). Values equal the plain formulas; gradients equal autodiff's up to float
-rounding (tests/test_layers.py).
+rounding (tests/test_activations.py).
 """
 
 from __future__ import annotations
