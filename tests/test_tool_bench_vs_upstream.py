@@ -14,6 +14,8 @@ import os
 import pytest
 from conftest import load_tool
 
+from lca_jax.train import optim
+
 pytest.importorskip("torch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -213,3 +215,14 @@ def test_bad_decode_upstream_src(argv, needle, capsys):
   assert e.value.code == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+
+
+def test_lca_side_learning_rate_is_constant_like_upstream():
+  """The upstream side's torch Adam runs at --lr from its first step: lca_jax's schedule must
+  too (with the base config's warmup it would stay near 0 for the whole benchmark)."""
+  tool = _tool()
+  args = tool._parser().parse_args(["train", "--upstream-src", ROOT, "--lr", "0.001"])
+  config, _ = tool.lca_config(args, tool.parse_layers(args.layers), 1, 64, "", 4096)
+  schedule = optim.make_schedule(config.optim, int(config.train.steps))
+  for step in (0, 1, int(config.train.steps) - 1):
+    assert float(schedule(step)) == pytest.approx(0.001, rel=1e-6), step

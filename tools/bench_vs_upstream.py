@@ -21,7 +21,8 @@ machine falls on both sides, each timed in its steady state):
     scale_loss2 1 and scale_bp 10), zero_grad / backward / clip_grad_norm_(--clip) / Adam step;
     torch uses all CPU cores.
   * lca_jax: the same shape as a configs/lca_mbp.py config with ``--config.x.y=v`` overrides
-    (printed as ``lca_train_overrides``), float32, lambdas 1/1/10, Adam with the same clip;
+    (printed as ``lca_train_overrides``), float32, lambdas 1/1/10, Adam with the same clip and the
+    same constant learning rate (no warmup);
     ``loop.prepare`` / ``setup.init_state`` / ``setup.train_step(state, setup.device_batch(b))``
     exactly as lca-train, on the same mesh (a CPU host split in two runs B rows data-parallel
     when they divide, else splits heads and MLP; other hosts use gcd(devices, B) devices).
@@ -371,6 +372,11 @@ def lca_overrides(args, layers, b: int, t: int, data: str, max_seq_len: int):
     "optim.b2=0.999",
     "optim.eps=1e-08",
     f"optim.clip_norm={args.clip}",
+    # a constant learning rate, as the upstream side's torch Adam has no scheduler (the base
+    # config's 2000 warmup steps would keep lca_jax's lr near 0 for the whole benchmark: its
+    # boundary rate would not move while upstream's falls from 0.5 towards the prior)
+    "optim.warmup_steps=0",
+    "optim.final_lr_ratio=1.0",
     f"train.seed={args.seed}",
     f"train.lambda_ntp={LAMBDAS[0]}",
     f"train.lambda_mbp={LAMBDAS[1]}",
