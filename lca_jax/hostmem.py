@@ -32,6 +32,7 @@ from typing import Mapping, Optional
 
 TUNABLE = "glibc.malloc.hugetlb"
 OPT_OUT = "LCA_JAX_HUGE_PAGES"  # "0": never re-execute
+BEFORE = "LCA_JAX_GLIBC_TUNABLES_BEFORE"  # GLIBC_TUNABLES as the user started the program
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 MIN_GLIBC = (2, 35)
 
@@ -79,6 +80,20 @@ def should_reexec(environ: Mapping[str, str], mode: Optional[str], glibc) -> boo
   return TUNABLE + "=" not in environ.get("GLIBC_TUNABLES", "")
 
 
+def original_environ(environ: Optional[Mapping[str, str]] = None) -> dict:
+  """A copy of ``environ`` (default: this process's) as the user started the program, before
+  ``use_huge_pages`` added the tunable: for a child process that should run as it would
+  without lca_jax (tools/bench_vs_upstream.py runs the paper's code so)."""
+  env = dict(os.environ if environ is None else environ)
+  if BEFORE in env:
+    before = env.pop(BEFORE)
+    if before:
+      env["GLIBC_TUNABLES"] = before
+    else:
+      env.pop("GLIBC_TUNABLES", None)
+  return env
+
+
 def _interactive() -> bool:
   return bool(hasattr(sys, "ps1") or sys.flags.interactive) or any(
     m in sys.modules for m in ("IPython", "ipykernel")
@@ -96,6 +111,7 @@ def use_huge_pages() -> None:
   if len(argv) < 2 or not sys.executable:
     return
   env = dict(os.environ)
+  env[BEFORE] = env.get("GLIBC_TUNABLES", "")
   env["GLIBC_TUNABLES"] = with_tunable(env.get("GLIBC_TUNABLES"))
   sys.stdout.flush()
   sys.stderr.flush()

@@ -42,6 +42,15 @@ def test_should_reexec_only_where_it_helps():
   assert not hostmem.should_reexec(**{**yes, "environ": set_})  # no loop: set once
 
 
+def test_original_environ_is_the_environment_the_user_started_with():
+  b = hostmem.BEFORE
+  tun = "glibc.malloc.hugetlb=1"
+  assert hostmem.original_environ({"A": "1"}) == {"A": "1"}  # never re-executed
+  assert hostmem.original_environ({"A": "1", "GLIBC_TUNABLES": tun, b: ""}) == {"A": "1"}
+  kept = {"GLIBC_TUNABLES": "x.y=2:" + tun, b: "x.y=2"}
+  assert hostmem.original_environ(kept) == {"GLIBC_TUNABLES": "x.y=2"}
+
+
 def test_use_huge_pages_reexecutes_once_with_the_same_argv(tmp_path):
   """A program calling use_huge_pages() first runs again with the tunable set where the machine
   allows it (once: the second run sees it), with the same arguments and pid; elsewhere it
@@ -54,6 +63,7 @@ def test_use_huge_pages_reexecutes_once_with_the_same_argv(tmp_path):
       print("run", os.getpid(), os.environ.get("GLIBC_TUNABLES", ""), sys.argv[1:], flush=True)
       from lca_jax import hostmem
       hostmem.use_huge_pages()
+      print("before", hostmem.original_environ().get("GLIBC_TUNABLES"), flush=True)
       print("done", flush=True)
       """
     )
@@ -66,6 +76,7 @@ def test_use_huge_pages_reexecutes_once_with_the_same_argv(tmp_path):
   assert out.returncode == 0, out.stderr
   runs = [line.split(" ", 3) for line in out.stdout.splitlines() if line.startswith("run")]
   assert out.stdout.splitlines()[-1] == "done"
+  assert "before None" in out.stdout.splitlines()  # as started: no tunable, either way
   expect = sys.platform.startswith("linux") and hostmem.should_reexec(
     env, hostmem.thp_mode(), hostmem.glibc_version()
   )

@@ -9,6 +9,7 @@ src/model/modern_fxt.py) named by LCA_UPSTREAM_SRC; without one it is skipped. T
 checks run always.
 """
 
+import argparse
 import os
 
 import pytest
@@ -72,9 +73,15 @@ def _upstream_src():
   return src
 
 
-def test_train_tiny():
-  out = _tool().main(["train", "--upstream-src", _upstream_src()] + TINY)
-  assert set(out) >= {"machine", "model", "params", "shapes"}
+@pytest.mark.parametrize("env", ["own", "same"])
+def test_train_tiny(env):
+  out = _tool().main(["train", "--upstream-src", _upstream_src(), "--upstream-env", env] + TINY)
+  assert set(out) >= {"machine", "model", "params", "shapes", "upstream_env"}
+  assert out["upstream_env"]["mode"] == env
+  if env == "same":  # one process: the paper's code runs with lca_jax's allocator setting
+    assert out["upstream_env"]["glibc_tunables"] == out["machine"]["glibc_tunables"]
+  else:  # a child with the environment the program was started with (pytest's: unchanged)
+    assert out["upstream_env"]["glibc_tunables"] == os.environ.get("GLIBC_TUNABLES", "")
   assert out["machine"]["cores"] == os.cpu_count() and out["machine"]["torch"]
   assert out["params"]["match"], out["params"]
   assert (
@@ -120,6 +127,19 @@ def test_bad_shapes(shapes, tmp_path, capsys):
   assert e.value.code == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and "--shapes" in err and "Traceback" not in err
+
+
+def test_upstream_process_reports_a_failure_in_one_line(tmp_path):
+  """The child that runs the paper's code sends its failure back; the parent raises it as the
+  tool's one-line error and the child is gone."""
+  fake = tmp_path / "src" / "model"
+  fake.mkdir(parents=True)
+  (fake / "modern_fxt.py").write_text("X = 1\n")  # importable, but no FxTTransformerLM
+  tool = _tool()
+  hp = argparse.Namespace(seed=0, lr=1e-3, clip=0.0)
+  with pytest.raises(tool.BenchError, match="has no FxTTransformerLM") as e:
+    tool.UpstreamProcess(str(tmp_path), {}, "cpu", hp)
+  assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("flag", ["--steps", "--rounds", "--warmup"])

@@ -27,11 +27,15 @@ machine falls on both sides, each timed in its steady state):
     exactly as lca-train, on the same mesh (a CPU host split in two runs B rows data-parallel
     when they divide, else splits heads and MLP; other hosts use gcd(devices, B) devices).
 
-Both sides run in this one process, started as lca-train starts (``lca_jax/hostmem.py``: large
-host buffers on transparent huge pages where the kernel's THP mode is ``madvise``), so the
-paper's code gets the same allocator setting; ``machine`` prints ``thp_mode`` and
-``glibc_tunables``. ``--warmup`` steps are not timed (for lca_jax the first one compiles:
-``compile_s``). Prints one JSON object: per shape the bytes/s and seconds per optimizer step of
+This program starts as lca-train starts (``lca_jax/hostmem.py``: large host buffers on
+transparent huge pages where the kernel's THP mode is ``madvise``, by a glibc tunable set at
+start). ``--upstream-env own`` (default) runs the paper's code in a child process with the
+environment this program was started with, as its users run it (``UpstreamProcess``: it
+answers one step at a time and times it itself; only one side runs at a time);
+``--upstream-env same`` runs it in this process, sharing lca_jax's allocator setting.
+``machine`` prints ``thp_mode`` and ``glibc_tunables``, ``upstream_env`` the mode and the
+paper's side's ``glibc_tunables``. ``--warmup`` steps are not timed (for lca_jax the first one
+compiles: ``compile_s``). Prints one JSON object: per shape the bytes/s and seconds per optimizer step of
 both sides (median over the timed steps of all rounds; every step in ``step_s_all``), ``ratio``
 = lca_jax bytes/s / upstream bytes/s, and the median and range of the rounds' ratios
 (``ratio_rounds_median``, ``ratio_rounds_range``), plus machine info, model shape and the parameter
@@ -76,10 +80,14 @@ import math
 import os
 import platform
 import re
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+import types
 import warnings
+from multiprocessing.connection import Connection
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -271,6 +279,14 @@ def _parser():
   tr.add_argument("--lr", type=float, default=3e-4)
   tr.add_argument("--seed", type=int, default=0)
   tr.add_argument(
+    "--upstream-env",
+    default="own",
+    choices=("own", "same"),
+    help="own: the paper's code in a child process with the environment this program was "
+    "started with (as its users run it); same: in this process, sharing the allocator "
+    "setting lca_jax starts with (lca_jax/hostmem.py)",
+  )
+  tr.add_argument(
     "--data",
     default="",
     metavar="FILE",
@@ -439,6 +455,9 @@ class LcaSide:
       jax.block_until_ready((self.state, m))
     self.metrics.append(m)
 
+  def timed_step(self, host_batch) -> float:
+    return _timed(self.step, host_batch)
+
   def summary(self, step_s: float, timed: int) -> dict:
     ms = jax.device_get(self.metrics[-timed:])
     bpl = [float(x["bytes_per_latent"]) for x in ms if "bytes_per_latent" in x]
@@ -546,6 +565,12 @@ class UpstreamSide:
     self.losses.append(float(total.detach()))
     self.s_len.append(stats.get("shortened_length"))
 
+  def timed_step(self, host_batch) -> float:
+    return _timed(self.step, host_batch)
+
+  def close(self) -> None:
+    pass
+
   def summary(self, step_s: float, timed: int, rows: int, t: int) -> dict:
     # shortened_length: null group + the most groups of any row in the batch
     groups = [float(x) - 1 for x in self.s_len[-timed:] if x is not None]
@@ -563,6 +588,94 @@ def _timed(fn, arg) -> float:
   return time.perf_counter() - t0
 
 
+class UpstreamProcess:
+  """``UpstreamSide`` in a child process started with the environment this program was started
+  with (``hostmem.original_environ``: without the allocator tunable lca_jax sets for itself),
+  i.e. the paper's code as its users run it. Steps are timed in the child; the parent waits
+  idle meanwhile (and the child while lca_jax steps)."""
+
+  def __init__(self, src: str, uc: dict, device: str, args):
+    ours, theirs = socket.socketpair()
+    code = (
+      f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+      f"import bench_vs_upstream as b; b.upstream_child({theirs.fileno()})"
+    )
+    self.proc = subprocess.Popen(
+      [sys.executable, "-c", code],
+      pass_fds=(theirs.fileno(),),
+      env=hostmem.original_environ(),
+      stdin=subprocess.DEVNULL,
+    )
+    theirs.close()
+    self.conn = Connection(ours.detach())
+    hp = dict(seed=args.seed, lr=args.lr, clip=args.clip)
+    try:
+      self.env = self._call("init", src, uc, device, hp)
+    except BenchError:
+      self.close()
+      raise
+
+  def _call(self, *msg):
+    try:
+      self.conn.send(msg)
+      status, value = self.conn.recv()
+    except (EOFError, OSError) as e:
+      raise BenchError(
+        f"the paper's code's process ended (exit status {self.proc.poll()}): {e or 'no reply'}"
+      ) from None
+    if status != "ok":
+      raise BenchError(value)
+    return value
+
+  def step(self, host_batch) -> None:
+    self._call("step", host_batch)
+
+  def timed_step(self, host_batch) -> float:
+    return self._call("step", host_batch)
+
+  def summary(self, step_s: float, timed: int, rows: int, t: int) -> dict:
+    return self._call("summary", step_s, timed, rows, t)
+
+  def close(self) -> None:
+    try:
+      self.conn.send(("close",))
+    except OSError:
+      pass
+    self.conn.close()
+    try:
+      self.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      self.proc.wait()
+
+
+def upstream_child(fd: int) -> None:
+  """The child of ``UpstreamProcess``: builds the side on ``init``, then answers ``step``
+  (its own wall time) and ``summary`` until ``close``; any failure goes back as one line."""
+  conn = Connection(fd)
+  torch.set_num_threads(os.cpu_count() or 1)
+  side = None
+  while True:
+    try:
+      msg = conn.recv()
+    except EOFError:
+      return
+    try:
+      if msg[0] == "close":
+        return
+      if msg[0] == "init":
+        src, uc, device, hp = msg[1:]
+        side = UpstreamSide(import_upstream(src), uc, device, types.SimpleNamespace(**hp))
+        out = dict(glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""), pid=os.getpid())
+      elif msg[0] == "step":
+        out = side.timed_step(msg[1])
+      else:
+        out = side.summary(*msg[1:])
+      conn.send(("ok", out))
+    except Exception as e:  # pylint: disable=broad-except  (reported by the parent, one line)
+      conn.send(("error", str(e) if isinstance(e, BenchError) else f"{type(e).__name__}: {e}"))
+
+
 def bench_pair(up: UpstreamSide, ours: LcaSide, host, warmup: int, rounds: int) -> dict:
   """Both sides on the same batches: ``warmup`` untimed steps each (lca_jax's first compiles),
   then ``rounds`` rounds of [one untimed step, the timed steps] of upstream, then the same of
@@ -572,7 +685,7 @@ def bench_pair(up: UpstreamSide, ours: LcaSide, host, warmup: int, rounds: int) 
   in its steady state, as a training run is. Step time = median over all timed steps of a
   side; also the median and range of the ratios of the rounds' mean step times."""
   up.step(host[0])
-  first_s = _timed(ours.step, host[0])  # compiles
+  first_s = ours.timed_step(host[0])  # compiles
   for b in host[1:warmup]:
     up.step(b)
     ours.step(b)
@@ -582,7 +695,7 @@ def bench_pair(up: UpstreamSide, ours: LcaSide, host, warmup: int, rounds: int) 
     means = []
     for side, acc in ((up, t_up), (ours, t_ours)):
       side.step(host[0])  # opens the block, untimed
-      ts = [_timed(side.step, b) for b in timed]
+      ts = [side.timed_step(b) for b in timed]
       acc.extend(ts)
       means.append(sum(ts) / len(ts))
     per_round.append(means[0] / means[1])
@@ -869,7 +982,7 @@ def run_train(args) -> dict:
   uc = config_to_upstream(model_cfg)
   n_up = upstream_params(cls, uc)
 
-  results, n_ours = {}, None
+  results, n_ours, own, up_env = {}, None, args.upstream_env == "own", None
   for b, t in shapes:
     key = f"{b}x{t}"
     try:
@@ -886,14 +999,20 @@ def run_train(args) -> dict:
     if n_ours is None:
       n_ours = n_params_jax(setup.abstract.params)
     print(f"{PROG}: {key}: upstream and lca_jax, rounds of steps ...", file=sys.stderr, flush=True)
-    results[key] = bench_pair(
-      UpstreamSide(cls, uc, device, args), LcaSide(setup), host, args.warmup, args.rounds
-    )
+    up = UpstreamProcess(src, uc, device, args) if own else UpstreamSide(cls, uc, device, args)
+    try:
+      results[key] = bench_pair(up, LcaSide(setup), host, args.warmup, args.rounds)
+    finally:
+      up.close()
+    up_env = up.env if own else dict(glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""))
 
   pad = (model_cfg.vocab_size - model_cfg.n_tokens) * model_cfg.d_model * 2  # embedding + head rows
   enc, lm, dec, mbp = layers
   return dict(
     machine=machine_info(device),
+    upstream_env=dict(
+      mode=args.upstream_env, glibc_tunables=up_env["glibc_tunables"] if up_env else None
+    ),
     model=dict(
       d_model=model_cfg.d_model,
       d_inner=model_cfg.d_inner,
