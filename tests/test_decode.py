@@ -5,7 +5,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import functools
+import types
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ import lca_jax
 from lca_jax import vocab
 from lca_jax.api import Model
 from lca_jax.decode import engine, policies, sampling
-from lca_jax.model import incremental, pooling
+from lca_jax.model import incremental, layers, masks, pooling
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import ByteLM, init_params
 
@@ -206,6 +208,85 @@ def test_rollback_equals_shorter_extend():
   _, ob = ext(short, nxt, jnp.array([4]))
   assert_close_rel(oa["mbp_logits"], ob["mbp_logits"])
   assert_close_rel(oa["nt_logits"], ob["nt_logits"])
+
+
+def _dots(fn, *args):
+  return str(jax.make_jaxpr(fn)(*args)).count("dot_general")
+
+
+def test_fused_projections_equal_separate_dots():
+  """A block over a KV cache with the fused decode kernels (``layers.fuse_decode_params``: one
+  q/k/v dot, one gate/up dot) gives the separate dots' output and cache entries, with 3 dots
+  fewer; without a cache (training) the fused kernels are ignored."""
+  rng = np.random.default_rng(11)
+  b, t, s, d = 2, 3, 10, 32
+  blk = layers.Block(n_heads=4, n_kv_heads=2, d_inner=48, rope_base=10000.0)
+  f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  x, cache = f(b, t, d), (f(b, 2, s, 8), f(b, 2, 8, s))
+  pos = jnp.asarray([[4, 5, 6], [0, 1, 2]], jnp.int32)
+  kw = dict(mask=masks.cache_causal_mask(pos, s), cache=cache, write_B=pos[:, 0])
+  params = blk.init(jax.random.PRNGKey(0), x, pos, **kw)["params"]
+  params = jax.tree.map(lambda w: w + f(*w.shape), nn.unbox(params))  # no zero or unit weights
+  fused = layers.fuse_decode_params(params)
+  assert set(fused["attn"]) - set(params["attn"]) == {layers.QKV_KERNEL}
+  assert set(fused["mlp"]) - set(params["mlp"]) == {layers.GATE_UP_KERNEL}
+  step = lambda p: blk.apply({"params": p}, x, pos, **kw)
+  (out, kv), (ref, ref_kv) = step(fused), step(params)
+  assert_close_rel(out, ref, 1e-5)
+  for a, r in zip(kv, ref_kv):
+    assert_close_rel(a, r, 1e-5)
+  assert _dots(step, fused) == _dots(step, params) - 3
+  train = lambda p: blk.apply({"params": p}, x, pos, kw["mask"][..., :t])[0]
+  assert _dots(train, fused) == _dots(train, params)
+  assert_close_rel(train(fused), train(params), 0.0)
+
+
+def test_extend_with_fused_params_equals_separate_dots():
+  """Every stack of the incremental forward (encoder, latent LM, decoder, LCA-MBP head with
+  appended copies) gives the same logits and caches with the fused decode kernels."""
+  model = tiny_model("lca", factor=4.0, bp_bias=2.0)
+  cfg = model.cfg
+  ids = np.stack([random_ids(np.random.default_rng(12), 24) for _ in range(2)])
+  fused = layers.fuse_decode_params(model.params)
+
+  @jax.jit
+  def run(p):
+    st = incremental.init_state(cfg, p, 2, 32, True, 3)
+    st, _ = incremental.extend(cfg, p, st, jnp.asarray(ids[:, :16]), jnp.array([16, 11]), True, 3)
+    return incremental.extend(cfg, p, st, jnp.asarray(ids[:, 16:]), jnp.array([5, 8]), True, 3)
+
+  (st, out), (ref_st, ref_out) = run(fused), run(model.params)
+  assert int(jnp.sum(ref_st.n_closed)) > 0  # the latent LM ran
+  for key in ("nt_logits", "mbp_logits"):
+    assert_close_rel(out[key], ref_out[key], 1e-5, err_msg=key)
+  for f in ("last_nt", "last_mbp", "last_copies", "z", "enc", "lm", "dec", "mbp"):
+    for a, r in zip(jax.tree.leaves(getattr(st, f)), jax.tree.leaves(getattr(ref_st, f))):
+      assert_close_rel(a, r, 1e-5, err_msg=f)
+
+
+def test_model_keeps_its_fused_decode_params_until_params_change():
+  """``Model.decode_params`` builds the fused tree once (a generate call copies no weight) and
+  builds it anew when ``params`` is replaced; decoding with it equals the separate dots."""
+  model = tiny_model("lca", factor=4.0, bp_bias=2.0)
+  first = model.decode_params()
+  assert model.decode_params() is first
+  for name, scope in (("q_proj", layers.QKV_KERNEL), ("gate_proj", layers.GATE_UP_KERNEL)):
+    found = [
+      path
+      for path, _ in jax.tree_util.tree_flatten_with_path(first)[0]
+      if any(getattr(k, "key", None) == scope for k in path)
+    ]
+    assert found, (name, scope)
+  again = layers.fuse_decode_params(first)  # idempotent on a fused tree
+  assert jax.tree.structure(again) == jax.tree.structure(first)
+  kw = dict(mode="ntp", max_bytes=12, temperature=0.0, ignore_eos=True)
+  ids = lambda m: engine.generate(m, [5, 6, 7, 8], **kw).ids[0].tolist()
+  fused = ids(model)
+  model.params = jax.tree.map(lambda w: w * 1.0, model.params)  # a new object, same values
+  assert model.decode_params() is not first
+  assert ids(model) == fused
+  # a model object without decode_params: fused inside the call, same bytes
+  assert ids(types.SimpleNamespace(cfg=model.cfg, params=model.params)) == fused
 
 
 # ---- modes ---------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """The compiled decode step: no copies of cache-sized buffers, and the cached attention it uses
 equals the plain masked attention over the written cache."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,3 +91,58 @@ def test_decode_step_copies_no_cache(variant, mode, batch):
   assert stats["dots"] > 0 and stats["ops"] > stats["dots"]
   if jax.default_backend() == "cpu":  # few-row dots stay on XLA's Eigen path (engine options)
     assert "__ynn_fusion" not in text
+
+
+@pytest.mark.parametrize("mode,stacks", [("ntp", 3), ("threshold", 5)])
+def test_decode_step_fuses_projections_without_copying_weights(mode, stacks):
+  """With the fused decode kernels (``layers.fuse_decode_params``, the default), each layer a
+  step runs has 3 dots fewer (q/k/v: 3 -> 1, gate/up: 2 -> 1) than with the separate dots, and
+  the step concatenates no weights: the fused kernels are built before the loop (also those of
+  the latent LM, whose layers run under a ``lax.cond`` that XLA does not hoist out of)."""
+  cfg = ModelConfig(**TINY, n_mbp=2)  # ntp runs enc + lm + dec (1 layer each), threshold + mbp
+  model = Model(cfg, jax.tree.map(np.asarray, init_params(cfg, jax.random.PRNGKey(0))))
+  kw = dict(mode=mode, n=3, tau=0.5, max_bytes=200, temperature=0.0, ignore_eos=True)
+  text = {
+    fuse: engine.compiled_decode(model, [np.arange(3, 23)], fuse_projections=fuse, **kw).as_text()
+    for fuse in (False, True)
+  }
+  # a model object without ``decode_params`` gets the fused kernels built inside the call
+  plain = types.SimpleNamespace(cfg=cfg, params=model.params)
+  text["plain"] = engine.compiled_decode(plain, [np.arange(3, 23)], **kw).as_text()
+  dots = {fuse: hlo_stats.step_stats(t)["dots"] for fuse, t in text.items()}
+  layers = cfg.n_enc + cfg.n_lm + cfg.n_dec + (cfg.n_mbp if mode != "ntp" else 0)
+  assert layers == stacks
+  assert dots[True] == dots[False] - 3 * layers, dots
+  d, e = cfg.d_model, cfg.head_dim
+  fused_dims = {(d, (cfg.n_heads + 2 * cfg.n_kv_heads) * e), (d, 2 * cfg.d_inner)}
+  assert fused_dims == {(32, 64), (32, 128)}
+  for dims in fused_dims:  # a Model's are built once, before any call; others' once per call
+    assert f"f32[{dims[0]},{dims[1]}]{{1,0}} concatenate(" not in text[True]
+    assert f"f32[{dims[0]},{dims[1]}]{{1,0}} concatenate(" in text["plain"]
+  assert hlo_stats.step_stats(text["plain"])["dots"] == dots[True]
+  in_step = {f: sorted(c["dims"] for c in hlo_stats.step_concatenates(t)) for f, t in text.items()}
+  assert in_step[True] and not fused_dims & set(in_step[True]), in_step[True]
+  # the fusion adds none to the step (those are RoPE's, scores'), built in the call or not
+  assert in_step[True] == in_step[False] == in_step["plain"]
+
+
+def test_step_concatenates_sees_a_weight_concatenate_in_a_cond_in_the_loop():
+  """The helper reports a concatenate that XLA leaves in the step: one inside a ``lax.cond``
+  branch of the loop body is not hoisted (why the engine fuses the weights before the loop),
+  one directly in the body is."""
+
+  def loop(in_cond):
+    def run(w, x):
+      def body(c):
+        i, h = c
+        proj = lambda h: jnp.tanh(h @ jnp.concatenate([w, 2 * w], axis=1))[:, :24]
+        h = jax.lax.cond(jnp.sum(h) > 0, proj, lambda h: 0.5 * h, h) if in_cond else proj(h)
+        return i + 1, h
+
+      return jax.lax.while_loop(lambda c: c[0] < 9, body, (jnp.int32(0), x))
+
+    return jax.jit(run).lower(jnp.ones((24, 24)), jnp.ones((1, 24))).compile().as_text()
+
+  cat = lambda in_cond: hlo_stats.step_concatenates(loop(in_cond))
+  assert {"dtype": "f32", "dims": (24, 48), "bytes": 24 * 48 * 4} in cat(True)
+  assert (24, 48) not in [c["dims"] for c in cat(False)]

@@ -5,7 +5,9 @@ functions parse ``compiled.as_text()`` (no run needed) and report, for that body
 computation it calls (conditional branches, nested loops; fusions count as one op each): the
 number of ops the runtime executes per step, how many are dots and fusions, and every ``copy``
 with its size. A copy of a cache-sized buffer in a decode step is a bug (the step should update
-its caches in place: see ``layers.cached_attention``).
+its caches in place: see ``layers.cached_attention``), and so is a concatenate of weights
+(``step_concatenates``, fusion bodies included: the fused decode kernels are built once per
+call, before the loop, see ``layers.fuse_decode_params``).
 """
 
 from __future__ import annotations
@@ -54,10 +56,12 @@ def result_bytes(instr: str) -> int:
   return int(np.prod(dims, dtype=np.int64)) * itemsize if dims else itemsize
 
 
-def _called(instr: str) -> List[str]:
-  """Computations an instruction runs (not fusion bodies: a fusion is one op)."""
+def _called(instr: str, into_fusions: bool = False) -> List[str]:
+  """Computations an instruction runs (fusion bodies only with ``into_fusions``: for counting,
+  a fusion is one op)."""
   names = []
-  for key in ("body", "condition", "to_apply", "true_computation", "false_computation"):
+  keys = ("body", "condition", "to_apply", "true_computation", "false_computation")
+  for key in keys + (("calls",) if into_fusions else ()):
     m = re.search(rf"\b{key}=(%?[\w.\-]+)", instr)
     if m:
       names.append(m.group(1))
@@ -85,27 +89,52 @@ def decode_loop_body(hlo_text: str) -> str:
   raise ValueError("no while loop reachable from the entry computation")
 
 
-def step_stats(hlo_text: str, min_copy_bytes: int = 0) -> dict:
-  """Ops per decode step (the loop body and what it calls, once each), dots, fusions, and the
-  copies of at least ``min_copy_bytes`` bytes (shape string and bytes)."""
+def _step_instructions(hlo_text: str, into_fusions: bool = False):
+  """Instruction lines of one decode step: the loop body and every computation it calls, each
+  once (and the bodies of its fusions with ``into_fusions``)."""
   comps = computations(hlo_text)
   seen, todo = set(), [decode_loop_body(hlo_text)]
-  ops, dots, fusions, copies = 0, 0, 0, []
   while todo:
     name = todo.pop()
     if name in seen or name not in comps:
       continue
     seen.add(name)
     for instr in comps[name]:
-      op = op_name(instr)
-      todo += _called(instr)
-      if op in FREE_OPS or not op:
-        continue
-      ops += 1
-      dots += op == "dot"
-      fusions += op == "fusion"
-      if op == "copy" and result_bytes(instr) >= min_copy_bytes:
-        copies.append(
-          {"shape": _SHAPE.search(instr).group(0)[1:].strip(), "bytes": result_bytes(instr)}
-        )
+      todo += _called(instr, into_fusions)
+      yield instr
+
+
+def result_dims(instr: str) -> tuple:
+  """Dimensions of an instruction's (array) result; () for scalars and tuples."""
+  m = _SHAPE.search(instr)
+  return tuple(int(d) for d in m.group(2).split(",") if d) if m else ()
+
+
+def step_concatenates(hlo_text: str) -> List[dict]:
+  """Every concatenate one decode step executes, fused or not (dtype, dims, bytes): weights
+  concatenated inside the loop would be copied every step (see
+  ``layers.fuse_decode_params``)."""
+  out = []
+  for instr in _step_instructions(hlo_text, into_fusions=True):
+    if op_name(instr) == "concatenate":
+      dtype = _SHAPE.search(instr).group(1)
+      out.append({"dtype": dtype, "dims": result_dims(instr), "bytes": result_bytes(instr)})
+  return out
+
+
+def step_stats(hlo_text: str, min_copy_bytes: int = 0) -> dict:
+  """Ops per decode step (the loop body and what it calls, once each), dots, fusions, and the
+  copies of at least ``min_copy_bytes`` bytes (shape string and bytes)."""
+  ops, dots, fusions, copies = 0, 0, 0, []
+  for instr in _step_instructions(hlo_text):
+    op = op_name(instr)
+    if op in FREE_OPS or not op:
+      continue
+    ops += 1
+    dots += op == "dot"
+    fusions += op == "fusion"
+    if op == "copy" and result_bytes(instr) >= min_copy_bytes:
+      copies.append(
+        {"shape": _SHAPE.search(instr).group(0)[1:].strip(), "bytes": result_bytes(instr)}
+      )
   return {"ops": ops, "dots": dots, "fusions": fusions, "copies": copies}

@@ -44,6 +44,9 @@ class Plan:
   max_bytes: int
   source: str  # where candidates come from: "lca", "mlp" or "" (ntp)
   stream: bool = False  # call the host sink with each step's committed bytes
+  # decode with fused q/k/v and gate/up kernels (``layers.fuse_decode_params``); False only
+  # to measure or test against the separate dots
+  fuse_projections: bool = True
 
   @property
   def policy(self) -> "Policy":
