@@ -72,10 +72,12 @@ def _called(instr: str, into_fusions: bool = False) -> List[str]:
 
 
 def decode_loop_body(hlo_text: str) -> str:
-  """Name of the body of the decode loop: the first while reached from the entry computation
-  (through calls; prefill loops live inside fusions or nested bodies, not before it)."""
+  """Name of the body of the decode loop: of the whiles the entry computation runs (directly
+  or through calls; prefill loops live inside fusions or nested bodies), the one with the
+  largest body (others there are small: XLA:CPU's threefry loop that draws a sampled call's
+  random numbers before the decode loop)."""
   comps = computations(hlo_text)
-  todo, seen = ["ENTRY"], set()
+  todo, seen, bodies = ["ENTRY"], set(), []
   while todo:
     name = todo.pop(0)
     if name in seen:
@@ -83,10 +85,12 @@ def decode_loop_body(hlo_text: str) -> str:
     seen.add(name)
     for instr in comps.get(name, []):
       if op_name(instr) == "while":
-        return re.search(r"\bbody=(%?[\w.\-]+)", instr).group(1)
+        bodies.append(re.search(r"\bbody=(%?[\w.\-]+)", instr).group(1))
       if op_name(instr) == "call":
         todo += _called(instr)
-  raise ValueError("no while loop reachable from the entry computation")
+  if not bodies:
+    raise ValueError("no while loop reachable from the entry computation")
+  return max(bodies, key=lambda b: len(comps.get(b, [])))
 
 
 def _step_instructions(hlo_text: str, into_fusions: bool = False):
