@@ -93,26 +93,6 @@ def test_decode_step_copies_no_cache(variant, mode, batch):
     assert "__ynn_fusion" not in text
 
 
-@pytest.mark.parametrize("mode", ["ntp", "verify"])
-def test_sampled_step_runs_no_random_number_loop(mode):
-  """Sampling draws a call's random numbers before the decode loop: the step has no nested
-  while (XLA:CPU lowers each threefry call to one), the same dots as the greedy step and no
-  cache copy; ``decode_loop_body`` finds the decode loop, not the threefry loop before it."""
-  cfg = ModelConfig(**TINY, n_mbp=2)
-  model = Model(cfg, jax.tree.map(np.asarray, init_params(cfg, jax.random.PRNGKey(0))))
-  kw = dict(mode=mode, n=3, tau=0.5, max_bytes=200, ignore_eos=True)
-  text = {
-    t: engine.compiled_decode(model, [np.arange(3, 23)], temperature=t, **kw).as_text()
-    for t in (0.0, 0.9)
-  }
-  body = hlo_stats.decode_loop_body(text[0.9])
-  nested = [i for i in hlo_stats._step_instructions(text[0.9]) if hlo_stats.op_name(i) == "while"]
-  assert nested == [], nested[:1]
-  sampled = hlo_stats.step_stats(text[0.9], bounds.min_cache_bytes(cfg, 1, 200))
-  assert sampled["copies"] == [] and body in text[0.9]
-  assert sampled["dots"] == hlo_stats.step_stats(text[0.0])["dots"] > 0
-
-
 @pytest.mark.parametrize("mode,stacks", [("ntp", 3), ("threshold", 5)])
 def test_decode_step_fuses_projections_without_copying_weights(mode, stacks):
   """With the fused decode kernels (``layers.fuse_decode_params``, the default), each layer a

@@ -72,12 +72,10 @@ def _called(instr: str, into_fusions: bool = False) -> List[str]:
 
 
 def decode_loop_body(hlo_text: str) -> str:
-  """Name of the body of the decode loop: of the whiles the entry computation runs (directly
-  or through calls; prefill loops live inside fusions or nested bodies), the one with the
-  largest body (others there are small: XLA:CPU's threefry loop that draws a sampled call's
-  random numbers before the decode loop)."""
+  """Name of the body of the decode loop: the first while reached from the entry computation
+  (through calls; prefill loops live inside fusions or nested bodies, not before it)."""
   comps = computations(hlo_text)
-  todo, seen, bodies = ["ENTRY"], set(), []
+  todo, seen = ["ENTRY"], set()
   while todo:
     name = todo.pop(0)
     if name in seen:
@@ -85,12 +83,10 @@ def decode_loop_body(hlo_text: str) -> str:
     seen.add(name)
     for instr in comps.get(name, []):
       if op_name(instr) == "while":
-        bodies.append(re.search(r"\bbody=(%?[\w.\-]+)", instr).group(1))
+        return re.search(r"\bbody=(%?[\w.\-]+)", instr).group(1)
       if op_name(instr) == "call":
         todo += _called(instr)
-  if not bodies:
-    raise ValueError("no while loop reachable from the entry computation")
-  return max(bodies, key=lambda b: len(comps.get(b, [])))
+  raise ValueError("no while loop reachable from the entry computation")
 
 
 def _step_instructions(hlo_text: str, into_fusions: bool = False):
