@@ -393,40 +393,15 @@ def test_speculative_sampling_matches_next_byte_distribution():
   assert r.acceptance_rate > 0
 
 
-def test_sample_draws_by_inverse_cdf():
-  """``sampling.sample``: each index as often as its probability (chi-square over 20000
-  draws), never an index of probability 0, and the same index for the same uniform."""
-  p = np.array([0.0, 0.5, 0.0, 0.2, 0.25, 0.05], np.float32)
-  lp = jnp.log(jnp.asarray(p))
-  u = sampling.uniforms(jax.random.PRNGKey(5), (20000,))
-  tok = np.asarray(sampling.sample(jnp.broadcast_to(lp, (20000, 6)), u))
-  observed = np.bincount(tok, minlength=6)
-  assert observed[p == 0].sum() == 0
-  expected = 20000 * p[p > 0]
-  chi2 = np.sum((observed[p > 0] - expected) ** 2 / expected)
-  from scipy import stats  # pylint: disable=g-import-not-at-top
-
-  assert stats.chi2.sf(chi2, len(expected) - 1) > 1e-3, (observed, expected)
-  edges = jnp.asarray([1e-30, 0.5, 0.5 + 1e-3, 0.7 + 1e-3, 0.95 + 1e-3, 1.0 - 1e-7])
-  assert np.asarray(sampling.sample(jnp.broadcast_to(lp, (6, 6)), edges)).tolist() == [
-    1,
-    1,
-    3,
-    4,
-    5,
-    5,
-  ]
-
-
 class _AlwaysPair(policies.Policy):
   """A toy mode: the next byte and the first MBP candidate, both always accepted."""
 
   name = "toy_pair"
   target_mbp = True
 
-  def propose(self, ctx, loop, rnd):
+  def propose(self, ctx, loop, k_draft, k_acc):
     d, _, _, _ = policies.draft(
-      ctx.cfg, ctx.params, loop.st, ctx.plan, rnd.draft_BN, ctx.sp, loop.pending
+      ctx.cfg, ctx.params, loop.st, ctx.plan, k_draft, ctx.sp, loop.pending
     )
     two = jnp.full_like(loop.pending, 2)
     return policies.Proposal(d, two, jnp.where(loop.done, 0, 1), jnp.full_like(two, -1))

@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lca_jax import vocab, xla_options
-from lca_jax.decode import sampling
-from lca_jax.decode.policies import POLICIES, Ctx, LoopState, Plan, StepRandom
+from lca_jax.decode.policies import POLICIES, Ctx, LoopState, Plan
 from lca_jax.decode.sampling import SamplingParams
 from lca_jax.errors import LcaError
 from lca_jax.model import incremental
@@ -161,10 +160,10 @@ class _Sink:
 
 def _step(ctx: Ctx, emit, loop: LoopState) -> LoopState:
   plan = ctx.plan
-  # the step's uniforms were drawn for every step before the loop (one threefry call, not
-  # three rolled loops per step on XLA:CPU); greedy decoding uses none (one row of zeros)
-  u_BR = loop.rand[jnp.minimum(loop.step, loop.rand.shape[0] - 1)]
-  prop = plan.policy.propose(ctx, loop, StepRandom.of(u_BR, plan.n))
+  # the step's two keys were split for every step before the loop (one threefry call, not one
+  # per step); greedy decoding uses none
+  k_draft, k_acc = loop.keys[loop.step]
+  prop = plan.policy.propose(ctx, loop, k_draft, k_acc)
   a, done = _finalize(plan, prop.d_BK, prop.a_B, loop)
   nxt, acc = plan.policy.commit(ctx, loop, prop, a, done)
   if emit is not None:
@@ -209,13 +208,15 @@ def _run(cfgs, plan: Plan, length: int, emit, params, prompt_BP, plen_B, key, ta
   st, _ = incremental.extend(
     cfg, p_t, st, prompt_BP, plen_B, policy.target_mbp, plan.copies_in_extend, last_only=True
   )
-  r_shape = (1 if plan.greedy else plan.max_steps, b, StepRandom.width(plan.n))
-  rand = jnp.zeros(r_shape, jnp.float32) if plan.greedy else sampling.uniforms(key, r_shape)
+  n_keys = 1 if plan.greedy else plan.max_steps
+  keys = jax.random.split(key, n_keys * 2).reshape((n_keys, 2) + key.shape)
+  if plan.greedy:
+    keys = jnp.broadcast_to(keys, (plan.max_steps, 2) + key.shape)
   zeros = jnp.zeros((b,), jnp.int32)
   loop = LoopState(
     st=st,
     dst=None,
-    rand=rand,
+    keys=keys,
     pending=jnp.full((b,), -1, jnp.int32),
     done=jnp.zeros((b,), bool),
     gen=zeros,

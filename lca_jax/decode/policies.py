@@ -3,7 +3,7 @@
 A policy says, for one step of the decode loop (``engine``), what to draft and feed
 (``propose``: the bytes of the step and how many of them each row accepts) and how to commit
 what was accepted (``commit``: the caches after the step, a byte forced on the next step). The
-loop around it (the step's uniforms, the eos / byte-budget cut, streaming, counters, the ``while_loop``) is the
+loop around it (keys, the eos / byte-budget cut, streaming, counters, the ``while_loop``) is the
 same for every mode, so adding a mode is one ``register(Policy subclass())`` here or in user
 code: ``generate(mode=name)`` then accepts it.
 
@@ -27,13 +27,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from lca_jax.decode.sampling import (
-  SamplingParams,
-  choose,
-  log_probs,
-  sample,
-  speculative_accept,
-)
+from lca_jax.decode.sampling import SamplingParams, choose, log_probs, speculative_accept
 from lca_jax.model import incremental
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.incremental import DecodeState
@@ -91,7 +85,7 @@ class LoopState:
 
   st: DecodeState  # the target model's caches
   dst: Optional[DecodeState]  # the drafter's caches (drafter mode), else None
-  rand: jax.Array  # [M, B, 2n + 2] float32: each step's uniforms (``StepRandom``); greedy: [1, ...]
+  keys: jax.Array  # [M, 2, 2] uint32: each step's (draft, accept) PRNG keys
   pending: jax.Array  # [B] int32 byte forced as the next step's first byte, -1 = none
   done: jax.Array  # [B] bool: the row stopped (eos or budget)
   gen: jax.Array  # [B] int32 bytes generated
@@ -100,25 +94,6 @@ class LoopState:
   n_cand: jax.Array  # [B] int32 candidates proposed
   n_acc: jax.Array  # [B] int32 candidates accepted
   closed0: jax.Array  # [B] int32 closed groups after the prompt
-
-
-class StepRandom(NamedTuple):
-  """One step's uniforms in (0, 1) (``sampling.uniforms``, drawn for every step before the
-  loop), per row: the drafted bytes, their acceptance, the replacement at a rejection and the
-  drafter's bonus byte."""
-
-  draft_BN: jax.Array  # [B, n]
-  accept_BN: jax.Array  # [B, n]
-  repl_B: jax.Array  # [B]
-  tail_B: jax.Array  # [B]
-
-  @staticmethod
-  def width(n: int) -> int:
-    return 2 * n + 2
-
-  @classmethod
-  def of(cls, u_BR, n: int) -> "StepRandom":
-    return cls(u_BR[:, :n], u_BR[:, n : 2 * n], u_BR[:, 2 * n], u_BR[:, 2 * n + 1])
 
 
 class Proposal(NamedTuple):
@@ -136,11 +111,12 @@ def leading(ok_BN):
   return jnp.sum(jnp.cumprod(ok_BN.astype(jnp.int32), axis=-1), axis=-1)
 
 
-def draft(cfg: ModelConfig, params, st: DecodeState, plan: Plan, u_BN, sp, pending):
+def draft(cfg: ModelConfig, params, st: DecodeState, plan: Plan, key, sp, pending):
   """n drafted bytes [B, n] from a model's state: the next byte (or the pending one) then
-  n - 1 candidates of its multi-byte head, sampled with the uniforms ``u_BN``; their
-  probabilities and draft log-probs [B, n, V] and whether the first byte was forced."""
-  t1, p1, l1 = choose(st.last_nt, u_BN[:, 0], sp, plan.greedy)
+  n - 1 candidates of its multi-byte head; their probabilities and draft log-probs [B, n, V]
+  and whether the first byte was forced."""
+  k1, k2 = jax.random.split(key)
+  t1, p1, l1 = choose(st.last_nt, k1, sp, plan.greedy)
   forced = pending >= 0
   t1 = jnp.where(forced, pending, t1)
   if plan.n == 1:
@@ -156,7 +132,7 @@ def draft(cfg: ModelConfig, params, st: DecodeState, plan: Plan, u_BN, sp, pendi
         else incremental.mbp_copies(cfg, params, st, plan.n - 2)
       )
       cand = jnp.concatenate([cand, copies], axis=1)
-  tc, pc, lc = choose(cand, u_BN[:, 1:], sp, plan.greedy)
+  tc, pc, lc = choose(cand, k2, sp, plan.greedy)
   return (
     jnp.concatenate([t1[:, None], tc], 1),
     jnp.concatenate([p1[:, None], pc], 1),
@@ -182,7 +158,7 @@ class Policy:
     """Extra state after the target's prefill (e.g. the drafter's caches)."""
     return loop
 
-  def propose(self, ctx: Ctx, loop: LoopState, rnd: StepRandom) -> Proposal:
+  def propose(self, ctx: Ctx, loop: LoopState, k_draft, k_acc) -> Proposal:
     raise NotImplementedError
 
   def commit(self, ctx: Ctx, loop: LoopState, prop: Proposal, a_B, done_B):
@@ -210,8 +186,8 @@ class NextByte(Policy):
   name = "ntp"
   multi_byte = False
 
-  def propose(self, ctx, loop, rnd):
-    d, _, _, _ = draft(ctx.cfg, ctx.params, loop.st, ctx.plan, rnd.draft_BN, ctx.sp, loop.pending)
+  def propose(self, ctx, loop, k_draft, k_acc):
+    d, _, _, _ = draft(ctx.cfg, ctx.params, loop.st, ctx.plan, k_draft, ctx.sp, loop.pending)
     ones = jnp.ones_like(loop.pending)
     return Proposal(d, ones, jnp.zeros_like(ones), jnp.full_like(ones, -1))
 
@@ -241,8 +217,8 @@ class Threshold(NextByte):
   def copies_in_extend(self, plan):
     return plan.n - 2 if plan.source == "lca" else 0
 
-  def propose(self, ctx, loop, rnd):
-    d, p, _, _ = draft(ctx.cfg, ctx.params, loop.st, ctx.plan, rnd.draft_BN, ctx.sp, loop.pending)
+  def propose(self, ctx, loop, k_draft, k_acc):
+    d, p, _, _ = draft(ctx.cfg, ctx.params, loop.st, ctx.plan, k_draft, ctx.sp, loop.pending)
     a = 1 + leading(p[:, 1:] >= ctx.tau)
     return Proposal(d, a, _idle(loop, ctx.plan.n - 1), jnp.full_like(loop.pending, -1))
 
@@ -251,9 +227,9 @@ class Verify(Policy):
   name = "verify"
   target_mbp = True
 
-  def propose(self, ctx, loop, rnd):
+  def propose(self, ctx, loop, k_draft, k_acc):
     plan = ctx.plan
-    d, _, lq, _ = draft(ctx.cfg, ctx.params, loop.st, plan, rnd.draft_BN, ctx.sp, loop.pending)
+    d, _, lq, _ = draft(ctx.cfg, ctx.params, loop.st, plan, k_draft, ctx.sp, loop.pending)
     full = jnp.full_like(loop.pending, plan.n)
     st_x, out = incremental.extend(ctx.cfg, ctx.params, loop.st, d, full, True)
     check = out["nt_logits"][:, : plan.n - 1]  # position t+1+i predicts d_{i+2}
@@ -261,8 +237,7 @@ class Verify(Policy):
     if plan.greedy:
       a = 1 + leading(d[:, 1:] == jnp.argmax(check, axis=-1))
     else:
-      lp = log_probs(check, ctx.sp)
-      n_acc, repl = speculative_accept(d[:, 1:], lq[:, 1:], lp, rnd.accept_BN[:, 1:], rnd.repl_B)
+      n_acc, repl = speculative_accept(d[:, 1:], lq[:, 1:], log_probs(check, ctx.sp), k_acc)
       a = 1 + n_acc
       pending = jnp.where(n_acc < plan.n - 1, repl, -1)
     return Proposal(d, a, _idle(loop, plan.n - 1), pending, (st_x, out))
@@ -284,11 +259,9 @@ class Drafter(Policy):
     dst, _ = incremental.extend(ctx.dcfg, ctx.dparams, dst, prompt_BP, plen_B, True, last_only=True)
     return loop.replace(dst=dst)
 
-  def propose(self, ctx, loop, rnd):
+  def propose(self, ctx, loop, k_draft, k_acc):
     plan, st = ctx.plan, loop.st
-    d, _, lq, forced = draft(
-      ctx.dcfg, ctx.dparams, loop.dst, plan, rnd.draft_BN, ctx.sp, loop.pending
-    )
+    d, _, lq, forced = draft(ctx.dcfg, ctx.dparams, loop.dst, plan, k_draft, ctx.sp, loop.pending)
     width = plan.n
     full = jnp.full_like(loop.pending, width)
     st_x, out = incremental.extend(ctx.cfg, ctx.params, st, d, full, False)
@@ -300,8 +273,8 @@ class Drafter(Policy):
     else:
       lp = log_probs(target, ctx.sp)
       lq = lq.at[:, 0].set(jnp.where(forced[:, None], lp[:, 0], lq[:, 0]))
-      a, repl = speculative_accept(d, lq, lp[:, :width], rnd.accept_BN, rnd.repl_B)
-      tail = sample(lp[:, width], rnd.tail_B)
+      a, repl = speculative_accept(d, lq, lp[:, :width], k_acc)
+      tail = jax.random.categorical(jax.random.fold_in(k_acc, 1), lp[:, width]).astype(jnp.int32)
       bonus = jnp.where(a < width, repl, tail)
     return Proposal(d, a, _idle(loop, width), bonus, (st_x, out))
 

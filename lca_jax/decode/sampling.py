@@ -45,27 +45,8 @@ def _filtered_log_probs(x, sp: SamplingParams):
   return jax.nn.log_softmax(x, axis=-1)
 
 
-def uniforms(key, shape):
-  """Uniforms in (0, 1) for ``sample`` / ``speculative_accept``, drawn by one threefry call.
-
-  The decode loop draws all of a call's before the loop: on XLA:CPU jax lowers each threefry
-  call to a rolled while loop, and three of them inside every sampled step cost ~1-2 ms of the
-  11M model's 3 ms step (docs/design.md §6.4)."""
-  return jax.random.uniform(key, shape, jnp.float32, jnp.finfo(jnp.float32).tiny, 1.0)
-
-
-def sample(lp, u):
-  """Index drawn from log-probs ``lp`` [..., V] by inverse CDF with uniforms ``u`` [...] in
-  (0, 1): the first index whose cumulative probability reaches u x the total (exact up to
-  float32 rounding of the cumulative sum; an index of probability 0 is never drawn)."""
-  cdf = jnp.cumsum(jnp.exp(lp.astype(jnp.float32)), axis=-1)
-  tok = jnp.sum(cdf < u[..., None] * cdf[..., -1:], axis=-1)
-  return jnp.minimum(tok, lp.shape[-1] - 1).astype(jnp.int32)
-
-
-def choose(logits, u, sp: SamplingParams, greedy: bool):
-  """(token, probability of that token under the processed distribution, log-probs);
-  ``u``: uniforms of ``logits``' leading shape (unused when greedy).
+def choose(logits, key, sp: SamplingParams, greedy: bool):
+  """(token, probability of that token under the processed distribution, log-probs).
 
   Greedy picks the argmax of the raw logits; its probability is the plain softmax (as upstream).
   """
@@ -74,27 +55,28 @@ def choose(logits, u, sp: SamplingParams, greedy: bool):
     tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   else:
     lp = log_probs(logits, sp)
-    tok = sample(lp, u)
+    tok = jax.random.categorical(key, lp, axis=-1).astype(jnp.int32)
   p = jnp.exp(jnp.take_along_axis(lp, tok[..., None], -1)[..., 0])
   return tok, p, lp
 
 
-def speculative_accept(draft, lq, lp, u_BN, u_B):
+def speculative_accept(draft, lq, lp, key):
   """Leviathan et al. acceptance of draft tokens [B, N] drafted from log-probs lq [B, N, V],
-  checked against target log-probs lp [B, N, V] (target at the same positions), with
-  uniforms ``u_BN`` (one per draft) and ``u_B`` (the replacement).
+  checked against target log-probs lp [B, N, V] (target at the same positions).
 
   Returns (number of leading accepted drafts [B], replacement token at the first rejection [B]
   sampled from norm(max(p - q, 0)) (undefined where all were accepted)).
   """
+  k_u, k_r = jax.random.split(key)
   q_tok = jnp.exp(jnp.take_along_axis(lq, draft[..., None], -1)[..., 0])
   p_tok = jnp.exp(jnp.take_along_axis(lp, draft[..., None], -1)[..., 0])
-  ok = u_BN * q_tok <= p_tok
+  u = jax.random.uniform(k_u, draft.shape)
+  ok = u * q_tok <= p_tok
   n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)
   idx = jnp.minimum(n_acc, draft.shape[1] - 1)
   p_r = jnp.exp(jnp.take_along_axis(lp, idx[:, None, None], 1)[:, 0])
   q_r = jnp.exp(jnp.take_along_axis(lq, idx[:, None, None], 1)[:, 0])
   resid = jnp.maximum(p_r - q_r, 0.0)
   resid = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, p_r)
-  repl = sample(jnp.log(resid + 1e-38), u_B)
+  repl = jax.random.categorical(k_r, jnp.log(resid + 1e-38), axis=-1).astype(jnp.int32)
   return n_acc, repl
