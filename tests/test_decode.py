@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import dataclasses
 import functools
 import types
 
@@ -262,6 +263,20 @@ def test_extend_with_fused_params_equals_separate_dots():
   for f in ("last_nt", "last_mbp", "last_copies", "z", "enc", "lm", "dec", "mbp"):
     for a, r in zip(jax.tree.leaves(getattr(st, f)), jax.tree.leaves(getattr(ref_st, f))):
       assert_close_rel(a, r, 1e-5, err_msg=f)
+
+
+@pytest.mark.parametrize("mode", ["ntp", "threshold", "verify"])
+def test_a_remat_model_decodes_like_the_plain_one(mode):
+  """``model.remat`` (a training memory setting, kept in a checkpoint's config) changes nothing
+  in decoding: the same bytes (it used to fail tracing: remat blocks wrote their caches inside
+  the latent LM's lax.cond)."""
+  model = tiny_model("lca", factor=4.0, bp_bias=2.0)
+  remat = Model(dataclasses.replace(model.cfg, remat=True), model.params)
+  kw = dict(mode=mode, n=3, tau=0.3, max_bytes=24, temperature=0.0, ignore_eos=True)
+  prompt = [5, 6, 7, 8, 9]
+  assert (
+    remat.generate(prompt, **kw).ids[0].tolist() == model.generate(prompt, **kw).ids[0].tolist()
+  )
 
 
 def test_model_keeps_its_fused_decode_params_until_params_change():

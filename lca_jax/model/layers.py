@@ -404,7 +404,10 @@ class Stack(nn.Module):
     window_B=None,
     defer_write=False,
   ):
-    block_cls = nn.remat(Block, static_argnums=(4, 7)) if self.remat else Block
+    # remat only saves activation memory for a backward pass: decoding (caches) runs plain
+    # blocks, whose cache writes may be deferred (``defer_write``) out of a ``lax.cond``
+    remat = self.remat and caches is None
+    block_cls = nn.remat(Block, static_argnums=(4, 7)) if remat else Block
     new_caches = []
     for i in range(self.n_layers):
       blk = block_cls(
@@ -419,7 +422,7 @@ class Stack(nn.Module):
         name=f"layer_{i}",
       )
       cache = None if caches is None else caches[i]
-      if self.remat:
+      if remat:
         x, kv = blk(x, positions, mask, kernel, cache, write_B, deterministic, window_B)
       else:
         x, kv = blk(
