@@ -1,4 +1,4 @@
-"""Training and decoding throughput of the paper's PyTorch code vs lca-jax, same model, one process.
+"""Training and decoding throughput of the paper's PyTorch code vs lca-jax, same model, one run.
 
     python tools/bench_vs_upstream.py train --upstream-src /tmp/upstream \
         [--shapes 4x1024,1x4096] [--steps 10] [--rounds 2] [--warmup 2] \
@@ -554,6 +554,7 @@ class UpstreamSide:
     )
     self.sid, self.device, self.clip = upstream_script_id(uc), device, args.clip
     self.losses, self.s_len = [], []
+    self.env = dict(glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""))  # what it runs under
 
   def step(self, host_batch) -> None:
     with warnings.catch_warnings():  # train.py ignores warnings too (var() of a 1-row batch)
@@ -666,7 +667,7 @@ def upstream_child(fd: int) -> None:
       if msg[0] == "init":
         src, uc, device, hp = msg[1:]
         side = UpstreamSide(import_upstream(src), uc, device, types.SimpleNamespace(**hp))
-        out = dict(glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""), pid=os.getpid())
+        out = side.env
       elif msg[0] == "step":
         out = side.timed_step(msg[1])
       else:
@@ -676,10 +677,10 @@ def upstream_child(fd: int) -> None:
       conn.send(("error", str(e) if isinstance(e, BenchError) else f"{type(e).__name__}: {e}"))
 
 
-def bench_pair(up: UpstreamSide, ours: LcaSide, host, warmup: int, rounds: int) -> dict:
-  """Both sides on the same batches: ``warmup`` untimed steps each (lca_jax's first compiles),
-  then ``rounds`` rounds of [one untimed step, the timed steps] of upstream, then the same of
-  lca_jax. Alternating blocks put a slow spell of a shared machine on both sides, and the
+def bench_pair(up, ours: LcaSide, host, warmup: int, rounds: int) -> dict:
+  """Both sides (``up``: an ``UpstreamSide`` or ``UpstreamProcess``) on the same batches:
+  ``warmup`` untimed steps each (lca_jax's first compiles), then ``rounds`` rounds of [one
+  untimed step, the timed steps] of upstream, then the same of lca_jax. Alternating blocks put a slow spell of a shared machine on both sides, and the
   untimed step that opens each block keeps the cost of switching sides (the other side's
   threads going idle, its freed memory mapped anew) out of both figures: each side is timed
   in its steady state, as a training run is. Step time = median over all timed steps of a
@@ -1004,7 +1005,7 @@ def run_train(args) -> dict:
       results[key] = bench_pair(up, LcaSide(setup), host, args.warmup, args.rounds)
     finally:
       up.close()
-    up_env = up.env if own else dict(glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""))
+    up_env = up.env
 
   pad = (model_cfg.vocab_size - model_cfg.n_tokens) * model_cfg.d_model * 2  # embedding + head rows
   enc, lm, dec, mbp = layers
@@ -1060,5 +1061,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  hostmem.use_huge_pages()  # as lca-train runs; one process, so both sides get it
+  hostmem.use_huge_pages()  # as lca-train runs (the paper's side: --upstream-env)
   main()

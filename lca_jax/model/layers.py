@@ -43,10 +43,16 @@ class Dense(nn.Module):
       nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes),
       (x.shape[-1], self.features),
     )
-    y = jnp.dot(x.reshape(-1, x.shape[-1]).astype(self.dtype), kernel.astype(self.dtype))
+    y = dot_rows(x, kernel, self.dtype)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,)).astype(self.dtype)
     return y.reshape(x.shape[:-1] + (self.features,))
+
+
+def dot_rows(x, kernel_IO, dtype):
+  """x [..., in] times kernel [in, out] as a [tokens, in] x [in, out] product in ``dtype``
+  (one contracting axis: see ``Dense``); returns [tokens, out]."""
+  return jnp.dot(x.reshape(-1, x.shape[-1]).astype(dtype), kernel_IO.astype(dtype))
 
 
 def dense(features, name, axes, dtype):
@@ -90,7 +96,7 @@ def fuse_decode_params(params):
 def split_dense(x, kernel_IO, sizes: Sequence[int], dtype):
   """``Dense`` with a fused kernel [in, sum(sizes)]: one dot, split into one output per part
   (each [..., size]), as ``Dense`` computes it (flattened rows, compute in ``dtype``)."""
-  y = jnp.dot(x.reshape(-1, x.shape[-1]).astype(dtype), kernel_IO.astype(dtype))
+  y = dot_rows(x, kernel_IO, dtype)
   cuts = np.cumsum(sizes)[:-1].tolist()
   return [part.reshape(x.shape[:-1] + (part.shape[-1],)) for part in jnp.split(y, cuts, axis=-1)]
 
