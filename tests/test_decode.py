@@ -189,6 +189,53 @@ def test_cache_parity_per_step(name, monkeypatch):
     assert fits_seen == {True, False}
 
 
+@pytest.mark.parametrize("name", ["lca", "spacebyte"])
+def test_a_long_block_runs_the_lm_over_its_groups_only(name):
+  """A block of >= ``LM_WIDTHS_FROM`` bytes (a prefill) runs the latent LM over the first c of
+  its K slots, c the smallest of ``lm_widths(K)`` holding every row's new groups: ragged rows
+  whose close counts pick the narrow, middle and full widths give the full forward's logits
+  and boundaries, and the caches it leaves decode the next bytes like the full forward."""
+  rng = np.random.default_rng(4)
+  b, k, t = 2, 96, 104
+  widths = incremental.lm_widths(k)
+  assert len(widths) > 2 and widths[-1] == k
+  ids = np.stack([random_ids(rng, t) for _ in range(b)])
+  if name == "spacebyte":  # closes follow spaces: few in row 0, one every other byte in row 1
+    ids[0, 40:48] = vocab.encode(" ")[0]
+    ids[1, 1:k:2] = vocab.encode(" ")[0]
+  biases = (0.0, 6.0) if name == "lca" else (0.0,)
+  picked = set()
+  cfg = tiny_model(name).cfg
+  ext = jax.jit(lambda p, st, x, ks: incremental.extend(cfg, p, st, x, ks, True))
+  ks = jnp.asarray([k, k - 30], jnp.int32)  # ragged: row 1 feeds 66 bytes
+  x = jnp.asarray(np.where(np.arange(k)[None] < np.asarray(ks)[:, None], ids[:, :k], 0))
+  for bias in biases:
+    model = tiny_model(name, factor=4.0, bp_bias=bias)
+    ref = model.forward(ids)
+    st = incremental.init_state(cfg, model.params, b, 128, True)
+    st, out = ext(model.params, st, x, ks)
+    n_new = int(np.max(np.asarray(st.n_closed)))
+    picked.add(0 if n_new == 0 else next(c for c in widths if c >= n_new))
+    for r in range(b):
+      n = int(ks[r])
+      assert_close_rel(out["nt_logits"][r, :n], ref["ntp_logits"][r, :n])
+      if cfg.has_lca:
+        assert_close_rel(out["mbp_logits"][r, :n], ref["mbp_logits"][r, :n])
+      np.testing.assert_array_equal(np.asarray(st.b[r, :n]), ref["boundaries"][r, :n])
+    # the next bytes read the LM cache the long block wrote
+    nxt = np.stack([ids[r, int(ks[r]) : int(ks[r]) + 8] for r in range(b)])
+    st, out = ext(model.params, st, jnp.asarray(nxt), jnp.asarray([8, 8], jnp.int32))
+    for r in range(b):
+      rows = slice(int(ks[r]), int(ks[r]) + 8)
+      assert_close_rel(out["nt_logits"][r], ref["ntp_logits"][r, rows])
+      if cfg.has_lca:
+        assert_close_rel(out["mbp_logits"][r], ref["mbp_logits"][r, rows])
+  if name == "lca":
+    assert len(picked - {0}) >= 2 and widths[-1] in picked, picked
+  else:
+    assert picked & set(widths[:-1]), picked
+
+
 def test_rollback_equals_shorter_extend():
   model = tiny_model("lca", bp_bias=2.0)
   cfg = model.cfg

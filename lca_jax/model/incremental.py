@@ -198,13 +198,25 @@ def _latents(cfg, params, state: DecodeState, blk: _Block, h_BKD, closes_BK) -> 
   first_slot = state.n_closed + 1
   slot_pos = first_slot[:, None] + j
   lm_mask = masks.cache_causal_mask(slot_pos, state.z.shape[1])
-  # The LM cache is written after the cond (zeros when it did not run: slots past n_closed
+
+  # The LM cache is written after the branch (zeros when it did not run: slots past n_closed
   # are garbage until a group closes there).
-  z_new, lm_new = jax.lax.cond(
-    jnp.any(closes_BK),
-    lambda: _stack(cfg, params, "lm", new_s, slot_pos, lm_mask, state.lm, first_slot, defer=True),
-    lambda: (jnp.zeros_like(new_s), _kv(cfg, cfg.n_lm, b, k, new_s.dtype)),
-  )
+  def lm_over(c):
+    def run():
+      x, pos, mask = (a[:, :c] for a in (new_s, slot_pos, lm_mask))
+      z, kv = _stack(cfg, params, "lm", x, pos, mask, state.lm, first_slot, defer=True)
+      return _pad_slots(z, kv, k)
+
+    return run
+
+  idle = lambda: (jnp.zeros_like(new_s), _kv(cfg, cfg.n_lm, b, k, new_s.dtype))
+  widths = lm_widths(k)
+  if len(widths) == 1:
+    z_new, lm_new = jax.lax.cond(jnp.any(closes_BK), lm_over(k), idle)
+  else:
+    n_new = cum[:, -1].max()
+    pick = jnp.where(n_new == 0, 0, 1 + jnp.sum(jnp.asarray(widths) < n_new))
+    z_new, lm_new = jax.lax.switch(pick, [idle] + [lm_over(c) for c in widths])
   z = write_rows(state.z, z_new, first_slot)
   s = write_rows(state.s, new_s, first_slot)
   u = state.n_closed[:, None] + cum  # closed groups through each new byte
@@ -226,6 +238,27 @@ def _latents(cfg, params, state: DecodeState, blk: _Block, h_BKD, closes_BK) -> 
   read = lambda x_BSD: jnp.take_along_axis(x_BSD, u[..., None], axis=1)
   out = dict(h=hf, seg=seg, closes=closes_BK, n_closed=u)
   return _Latents(fields, read(z), read(s), grp, out)
+
+
+# Blocks of at least this many bytes (a prefill) run the latent LM over the first c of their K
+# slots, c the smallest of ``lm_widths(K)`` that holds every row's new groups: a block closes
+# about one group per 1 / bp_prior bytes, and the slots past its groups are empty.
+LM_WIDTHS_FROM = 64
+LM_WIDTH_FRACTIONS = (0.25, 0.375, 0.5)
+
+
+def lm_widths(k: int) -> tuple:
+  """The slot counts the latent LM may run over for a block of ``k`` bytes (the last is k)."""
+  if k < LM_WIDTHS_FROM:
+    return (k,)
+  return tuple(sorted({-(-int(k * f) // 8) * 8 for f in LM_WIDTH_FRACTIONS} | {k}))
+
+
+def _pad_slots(z_BCD, entries, k: int):
+  """The LM output and cache entries of c slots padded with zeros to k slots."""
+  c = z_BCD.shape[1]
+  pad = lambda x, axis: jnp.pad(x, [(0, k - c if a == axis else 0) for a in range(x.ndim)])
+  return pad(z_BCD, 1), tuple((pad(kk, 2), pad(vv, 3)) for kk, vv in entries)
 
 
 def _heads(cfg, params, h_BKD, blk: _Block, last_only: bool):
