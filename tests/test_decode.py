@@ -190,15 +190,16 @@ def test_cache_parity_per_step(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["lca", "spacebyte"])
-def test_a_long_block_runs_the_lm_over_its_groups_only(name):
-  """A block of >= ``LM_WIDTHS_FROM`` bytes (a prefill) runs the latent LM over the first c of
-  its K slots, c the smallest of ``lm_widths(K)`` holding every row's new groups: ragged rows
-  whose close counts pick the narrow, middle and full widths give the full forward's logits
-  and boundaries, and the caches it leaves decode the next bytes like the full forward."""
+def test_a_long_block_runs_the_lm_over_its_groups_only(name, monkeypatch):
+  """A large block (a prefill) runs the latent LM over the first c of its K slots, c the
+  smallest of ``lm_widths`` holding every row's new groups: ragged rows whose close counts
+  pick the narrow and the full width give the full forward's logits and boundaries, and the
+  caches it leaves decode the next bytes like the full forward."""
+  monkeypatch.setattr(incremental, "LM_WIDTHS_FROM_BYTES", 128)  # the tiny block qualifies
   rng = np.random.default_rng(4)
   b, k, t = 2, 96, 104
-  widths = incremental.lm_widths(k)
-  assert len(widths) > 2 and widths[-1] == k
+  widths = incremental.lm_widths(b, k)
+  assert widths == (48, k) and incremental.lm_widths(1, k) == (k,)
   ids = np.stack([random_ids(rng, t) for _ in range(b)])
   if name == "spacebyte":  # closes follow spaces: few in row 0, one every other byte in row 1
     ids[0, 40:48] = vocab.encode(" ")[0]
@@ -230,10 +231,7 @@ def test_a_long_block_runs_the_lm_over_its_groups_only(name):
       assert_close_rel(out["nt_logits"][r], ref["ntp_logits"][r, rows])
       if cfg.has_lca:
         assert_close_rel(out["mbp_logits"][r], ref["mbp_logits"][r, rows])
-  if name == "lca":
-    assert len(picked - {0}) >= 2 and widths[-1] in picked, picked
-  else:
-    assert picked & set(widths[:-1]), picked
+  assert picked == ({48, k} if name == "lca" else {48}), picked
 
 
 def test_rollback_equals_shorter_extend():

@@ -210,7 +210,7 @@ def _latents(cfg, params, state: DecodeState, blk: _Block, h_BKD, closes_BK) -> 
     return run
 
   idle = lambda: (jnp.zeros_like(new_s), _kv(cfg, cfg.n_lm, b, k, new_s.dtype))
-  widths = lm_widths(k)
+  widths = lm_widths(b, k)
   if len(widths) == 1:
     z_new, lm_new = jax.lax.cond(jnp.any(closes_BK), lm_over(k), idle)
   else:
@@ -240,18 +240,21 @@ def _latents(cfg, params, state: DecodeState, blk: _Block, h_BKD, closes_BK) -> 
   return _Latents(fields, read(z), read(s), grp, out)
 
 
-# Blocks of at least this many bytes (a prefill) run the latent LM over the first c of their K
-# slots, c the smallest of ``lm_widths(K)`` that holds every row's new groups: a block closes
-# about one group per 1 / bp_prior bytes, and the slots past its groups are empty.
+# A block of at least LM_WIDTHS_FROM bytes per row and LM_WIDTHS_FROM_BYTES in all (a batched
+# or long prefill) runs the latent LM over the first K/2 of its K slots when they hold every
+# row's new groups: a trained model closes about one group per 1 / bp_prior (3) bytes, and the
+# slots past a row's groups are empty. Smaller blocks keep one width: the second LM the
+# prefill then compiles (~+3 s on a 60M model) would cost more than it saves there.
 LM_WIDTHS_FROM = 64
-LM_WIDTH_FRACTIONS = (0.25, 0.375, 0.5)
+LM_WIDTHS_FROM_BYTES = 4096
 
 
-def lm_widths(k: int) -> tuple:
-  """The slot counts the latent LM may run over for a block of ``k`` bytes (the last is k)."""
-  if k < LM_WIDTHS_FROM:
+def lm_widths(rows: int, k: int) -> tuple:
+  """The slot counts the latent LM may run over for a block of ``rows`` x ``k`` bytes (the
+  last is k)."""
+  if k < LM_WIDTHS_FROM or rows * k < LM_WIDTHS_FROM_BYTES:
     return (k,)
-  return tuple(sorted({-(-int(k * f) // 8) * 8 for f in LM_WIDTH_FRACTIONS} | {k}))
+  return (-(-k // 16) * 8, k)
 
 
 def _pad_slots(z_BCD, entries, k: int):
