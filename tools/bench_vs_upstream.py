@@ -680,10 +680,11 @@ def upstream_child(fd: int) -> None:
 def bench_pair(up, ours: LcaSide, host, warmup: int, rounds: int) -> dict:
   """Both sides (``up``: an ``UpstreamSide`` or ``UpstreamProcess``) on the same batches:
   ``warmup`` untimed steps each (lca_jax's first compiles), then ``rounds`` rounds of [one
-  untimed step, the timed steps] of upstream, then the same of lca_jax. Alternating blocks put a slow spell of a shared machine on both sides, and the
-  untimed step that opens each block keeps the cost of switching sides (the other side's
-  threads going idle, its freed memory mapped anew) out of both figures: each side is timed
-  in its steady state, as a training run is. Step time = median over all timed steps of a
+  untimed step, the timed steps] of upstream, then the same of lca_jax. Alternating blocks put
+  a slow spell of a shared machine on both sides, and the untimed step that opens each block
+  keeps the cost of switching sides (the other side's threads going idle, its freed memory
+  mapped anew) out of both figures: each side is timed in its steady state, as a training
+  run is. Step time = median over all timed steps of a
   side; also the median and range of the ratios of the rounds' mean step times."""
   up.step(host[0])
   first_s = ours.timed_step(host[0])  # compiles
