@@ -8,6 +8,7 @@ from conftest import tiny_config
 
 from lca_jax.model import masks
 from lca_jax.model.attention import LOOPS_PER_BLOCK, blockwise_attention
+from lca_jax.model.config import ConfigError
 from lca_jax.train import costs
 from lca_jax.train.state import abstract_params
 
@@ -80,3 +81,20 @@ def test_buffers_skip_dense_layer_activations_only():
   assert list(got["t_by_t_buffers"]) == ["f32[1,4,4096,4096]"]
   assert got["largest_buffer"] == "f32[1,4,4096,4096]"
   assert got["largest_buffer_bytes"] == 4 * 4 * 4096 * 4096
+
+
+def test_causal_blocks_auto_by_length_and_costs_follow_it():
+  """0 (auto) gives 64 below CAUSAL_BLOCK_LONG_FROM tokens and 128 from there on; set sizes win;
+  the cost model counts the tiles of the blocks the model runs (a stack of 2048 tokens, one
+  document: 16 query blocks of 128 visit 1 + ... + 16 tiles)."""
+  cfg = tiny_config("llamabyte")
+  assert (cfg.attn_block_q, cfg.attn_block_k) == (0, 0)
+  assert cfg.causal_blocks(2047) == (64, 64)
+  assert cfg.causal_blocks(2048) == (128, 128)
+  assert cfg.replace(attn_block_q=32).causal_blocks(4096) == (32, 128)
+  with pytest.raises(ConfigError, match="attn_block_k must be >= 0"):
+    cfg.replace(attn_block_k=-1)
+  doc, _, plan = costs.regular_layout(cfg, 1, 2048)
+  assert costs.attention_loop_correction(cfg, doc, plan, rows=1)["tiles"] == {
+    "encoder": 16 * 17 // 2
+  }

@@ -105,7 +105,7 @@ class ByteLM(nn.Module):
       bq, bk = c.lca_block_q, c.lca_block_q + c.lca_lookback
     else:
       lo = masks.causal_key_start(doc_BT)
-      bq, bk = c.attn_block_q, c.attn_block_k
+      bq, bk = c.causal_blocks(lo.shape[1])
     parallel = c.attn_parallel or (os.cpu_count() or 1 if jax.default_backend() == "cpu" else 1)
     return None, functools.partial(
       blockwise_attention, lo_BT=lo, block_q=bq, block_k=bk, parallel=parallel

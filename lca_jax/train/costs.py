@@ -80,12 +80,11 @@ def _keys(lo_BT) -> float:
 def attention_stacks(cfg: ModelConfig, doc_BT, plan):
   """(name, layers, lo [B, T_s], block_q, block_k) of every self-attention stack."""
   causal = masks.causal_key_start(doc_BT)
-  out = [("encoder", cfg.n_enc, causal, cfg.attn_block_q, cfg.attn_block_k)]
+  stack = lambda name, n, lo: (name, n, lo, *cfg.causal_blocks(lo.shape[1]))
+  out = [stack("encoder", cfg.n_enc, causal)]
   if cfg.hierarchical:
-    out.append(
-      ("lm", cfg.n_lm, masks.causal_key_start(plan.slot_doc_BS), cfg.attn_block_q, cfg.attn_block_k)
-    )
-    out.append(("decoder", cfg.n_dec, causal, cfg.attn_block_q, cfg.attn_block_k))
+    out.append(stack("lm", cfg.n_lm, masks.causal_key_start(plan.slot_doc_BS)))
+    out.append(stack("decoder", cfg.n_dec, causal))
     if cfg.n_mbp:
       out.append(
         (
