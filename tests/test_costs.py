@@ -98,3 +98,17 @@ def test_causal_blocks_auto_by_length_and_costs_follow_it():
   assert costs.attention_loop_correction(cfg, doc, plan, rows=1)["tiles"] == {
     "encoder": 16 * 17 // 2
   }
+
+
+def test_t_by_t_check_flags_a_width_equal_to_t():
+  """A listed buffer is ambiguous only when T is also a parameter dimension, or a device's
+  share of one (an MLP activation [T, d_inner / 2] under a tensor split of 2 at T = d_inner / 2)."""
+  params = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32)}
+  listed = {"f32[1,128,128]": ["broadcast.1"]}
+  assert costs.t_by_t_check({}, params, 64) == "exact"
+  assert costs.t_by_t_check(listed, params, 128) == "exact"
+  assert costs.t_by_t_check(listed, params, 256).startswith("ambiguous")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tensor",))
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "tensor"))
+  sharded = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=split)}
+  assert costs.t_by_t_check(listed, sharded, 128).startswith("ambiguous")

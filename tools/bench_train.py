@@ -82,8 +82,7 @@ def step_costs(setup, group_len=None) -> dict:
     argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0)),
   )
   out.update(costs.buffers(compiled.as_text(), p.seq_len))
-  # The residual stream is [tokens, d_model] everywhere: at T == d_model it looks like T x T.
-  out["t_by_t_check"] = "ambiguous: T equals d_model" if p.seq_len == cfg.d_model else "exact"
+  out["t_by_t_check"] = costs.t_by_t_check(out["t_by_t_buffers"], params, p.seq_len)
   return out
 
 

@@ -34,6 +34,7 @@ import math
 import re
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -200,6 +201,22 @@ def buffers(hlo_text: str, seq_len: int) -> dict:
     "largest_buffer_bytes": largest_bytes,
     "t_by_t_buffers": {k: sorted(v)[:3] for k, v in sorted(square.items())},
   }
+
+
+def t_by_t_check(t_by_t_buffers: dict, params, seq_len: int) -> str:
+  """How far the T x T list of ``buffers`` can be trusted: an activation [tokens, width] whose
+  width equals T (d_model, d_inner, or one device's share of it under a tensor split: any
+  dimension of a parameter or of its per-device shard) looks like T x T outside the dense
+  layers' scopes. "exact" when nothing is listed or T is no such dimension."""
+  widths = set()
+  for x in jax.tree_util.tree_leaves(params):
+    widths.update(x.shape)
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None:
+      widths.update(sharding.shard_shape(x.shape))
+  if t_by_t_buffers and seq_len in widths:
+    return f"ambiguous: T = {seq_len} is also a parameter dimension (a width)"
+  return "exact"
 
 
 def xla_flops(compiled) -> float:
