@@ -30,7 +30,7 @@ setup(
     "eval": ["rouge-score>=0.1.2", "sacrebleu>=2.4", "matplotlib>=3.8"],
     "torch": ["torch>=2.4"],
     "cuda12": ["jax[cuda12]>=0.9,<0.12"],
-    "test": ["pytest>=8"],
+    "test": ["pytest>=8", "pytest-xdist>=3.5"],
   },
   entry_points={
     "console_scripts": [
