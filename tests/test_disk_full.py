@@ -88,6 +88,38 @@ except ckpt_lib.CheckpointSaveError as e:
 ck.close()
 """
 
+# the space goes between the probe and orbax: the step's directories cannot be created
+_RACE_CHILD = """
+import errno, os, sys
+from types import SimpleNamespace
+import jax.numpy as jnp
+from lca_jax.train import checkpoint as ckpt_lib
+state = lambda s: SimpleNamespace(step=jnp.int32(s), params={"w": jnp.ones(64)},
+                                  opt_state={"m": jnp.zeros(64)}, rng=jnp.zeros(2, jnp.uint32))
+ck = ckpt_lib.Checkpointer(sys.argv[1], async_save=True)
+ck.save(state(1))
+ck._finish_pending()
+real = os.makedirs, os.mkdir
+def step_2(p):
+  name = os.path.basename(os.fspath(p).rstrip("/"))
+  return name == "2" or name.startswith("2.")
+def refuse(fn):
+  def f(p, *a, **k):
+    if step_2(p):
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(p))
+    return fn(p, *a, **k)
+  return f
+os.makedirs, os.mkdir = refuse(real[0]), refuse(real[1])
+where = "save"
+try:
+  ck.save(state(2))
+  where = "close"
+  ck.close()
+  print("no error")
+except ckpt_lib.CheckpointSaveError as e:
+  print("ERROR in", where + ":", e)
+"""
+
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--child":
   sys.exit(_child_main(sys.argv[2:]))
 
@@ -221,6 +253,26 @@ def test_unwritable_step_fails_before_orbax_starts(tmp_path):
   out = res.stdout.strip()
   assert out.startswith("ERROR checkpoint save at step 2 failed: file too large"), out
   assert "manager.save called" not in out and "step 1 is intact" in out, out
+  assert "Traceback" not in res.stderr, res.stderr[-4000:]
+  assert _checkpoint_entries(tmp_path) == ["1"]
+
+
+def test_step_directory_that_cannot_be_created_fails_in_save(tmp_path):
+  """Space running out between the probe and orbax's directory creation: the save call
+  itself raises the one-line error (the directories are created synchronously), not a later
+  save or close after orbax's background threads gave up; step 1 stays."""
+  res = subprocess.run(
+    [sys.executable, "-c", _RACE_CHILD, str(tmp_path)],
+    env=_env(),
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert res.returncode == 0, res.stderr[-4000:]
+  out = res.stdout.strip().splitlines()[-1]
+  assert out.startswith("ERROR in save: checkpoint save at step 2 failed: no space left"), out
+  assert "step 1 is intact" in out, out
   assert "Traceback" not in res.stderr, res.stderr[-4000:]
   assert _checkpoint_entries(tmp_path) == ["1"]
 

@@ -255,6 +255,11 @@ class Checkpointer:
       create=not read_only,
       enable_async_checkpointing=async_save and not read_only,
       cleanup_tmp_directories=not read_only,
+      # the step's directories are created inside ``save`` (orbax's default creates them on
+      # a background thread): a step that cannot be created (space gone since ``_probe``)
+      # then fails in ``save`` itself, before any writer thread starts, instead of at the
+      # next ``save`` / ``close`` after orbax's threads gave up waiting for it
+      async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
     )
     self.workdir = os.path.abspath(workdir)
     self.directory = checkpoint_dir(workdir)
