@@ -107,8 +107,9 @@ def test_first_difference_and_word_edges():
   assert tool.first_difference([1, 2], [1, 2, 3]) == 2
   # "ab cd": closes after 'b' (next byte a space: a word edge) and after 'c' (inside a word)
   assert tool.word_edge_share("ab cd", np.array([0, 1, 0, 1, 0])) == (2, 1)
-  assert tool._tau_ladder(0.5) == [0.5, 0.3, 0.1, 0.0]
+  assert tool._tau_ladder(0.5) == [0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05, 0.0]
   assert tool._tau_ladder(0.05) == [0.05, 0.0]
+  assert [tool._rate(x) for x in (0.0, 0.004, 0.011, 1.0)] == ["0.00", "0.004", "0.01", "1.00"]
 
 
 @pytest.fixture(scope="module")
@@ -149,9 +150,13 @@ def test_demo_sample_sections_in_order(demo_workdir, capsys):
   # threshold stops at the first tau that accepts something (0 accepts every candidate)
   assert "acceptance n/a" in out.split("== multi-byte (verify")[0]
   thr = out.split("== multi-byte (threshold, tau=")
-  assert 2 <= len(thr) <= 5
+  ladder = load_tool("demo_sample")._tau_ladder(0.5)
+  assert 2 <= len(thr) <= 1 + len(ladder)
+  for section, tau in zip(thr[1:-1], ladder):  # the taus that accepted nothing: one line each
+    assert section.startswith(f"{tau}, n=2)"), section
+    assert "nothing accepted, so the text is ntp's" in section, section
   last = thr[-1]
-  assert "acceptance 0.00," not in last
+  assert "acceptance 0.00," not in last and "bytes/step histogram" in last
   png = os.path.join(demo_workdir, "loss_curve.png")
   assert out.rstrip().endswith(png)
   assert png_size(png)[0] > 0

@@ -397,6 +397,50 @@ def test_killed_peer_makes_survivor_exit(tmp_path, victim):
   assert ckpt_lib.Checkpointer(str(wd), read_only=True).all_steps() == []
 
 
+def test_storage_failure_on_one_process_stops_every_process(tmp_path):
+  """Only process 1 cannot write the checkpoint of step 4 (its disk is full): both processes
+  exit 2 at that save, each with one line (process 1 naming its error, process 0 naming
+  process 1), instead of process 0 waiting in orbax's barriers for a peer that left; the
+  checkpoint of step 2 is intact and is the only one."""
+  wd = tmp_path / "wd"
+  port = mh.free_port()
+  env = mh.child_env(2, {"actions": [{"step": 3, "process": 1, "do": "no_space"}]})
+  procs = [
+    mh.Proc(
+      [
+        "bash",
+        MULTI,
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        str(i),
+        "--heartbeat-timeout",
+        "10",
+        "--",
+      ]
+      + mh.train_args(wd, "train.steps=6", *mh.MESH4),
+      env,
+      tmp_path / f"p{i}.log",
+    )
+    for i in (0, 1)
+  ]
+  lines = []
+  for p in procs:
+    rc = p.wait(timeout=300)
+    out = mh.clean_log(p.output())
+    errs = [l for l in out.splitlines() if l.startswith("lca-train: error:")]
+    assert rc == 2, out[-3000:]
+    assert len(errs) == 1 and "checkpoint save at step 4 failed" in errs[0], out[-3000:]
+    assert "the previous checkpoint at step 2 is intact" in errs[0], errs
+    assert "Traceback" not in out, out[-3000:]
+    lines.append(errs[0])
+  assert "process 1 could not write it" in lines[0], lines
+  assert "no space left on device" in lines[1], lines
+  assert ckpt_lib.Checkpointer(str(wd), read_only=True).all_steps() == [2]
+
+
 def test_multiprocess_config_error_is_one_line(tmp_path):
   """Every process sees the bad batch layout, says so in one line and exits 2 (together)."""
   port = mh.free_port()

@@ -61,7 +61,10 @@ def _child_main(argv):
   """lca-train (lca_jax.cli.train.main) with test actions from $LCA_TEST_CHILD:
 
   actions: [{"step": S, "process": P (default: every), "do": "sigterm_self" | "sigterm_parent"
-             | "sigkill_self" | "hang", "stamp": FILE (time.time() written before acting)}]
+             | "sigkill_self" | "hang" | "no_space", "stamp": FILE (time.time() written
+             before acting)}]
+    no_space: from then on this process cannot create a directory in the checkpoint folder
+              (ENOSPC, as a full local disk): the next save's probe fails there only.
   hang_rename_step: S -> the commit (tmp dir -> final rename) of checkpoint S blocks forever,
                      after writing FILE hang_marker.
   dump_params: FILE -> process 0 saves the final params (all processes gathered) to FILE.npz.
@@ -89,7 +92,22 @@ def _child_main(argv):
 
     async_path.rename = rename
 
-  def act(a):
+  def no_space(workdir):
+    import errno  # pylint: disable=g-import-not-at-top
+
+    folder = os.path.join(os.path.abspath(workdir), "checkpoints")
+
+    def refuse(fn):
+      def f(p, *args, **kw):
+        if os.path.dirname(os.path.abspath(os.fspath(p))).startswith(folder):
+          raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(p))
+        return fn(p, *args, **kw)
+
+      return f
+
+    os.makedirs, os.mkdir = refuse(os.makedirs), refuse(os.mkdir)
+
+  def act(a, workdir):
     if a.get("stamp"):
       with open(a["stamp"], "w") as f:
         f.write(repr(time.time()))
@@ -103,6 +121,8 @@ def _child_main(argv):
       os.kill(os.getpid(), signal.SIGKILL)
     elif what == "hang":
       time.sleep(3600)
+    elif what == "no_space":
+      no_space(workdir)
 
   real = loop.train_and_evaluate
 
@@ -113,7 +133,7 @@ def _child_main(argv):
       del batch
       for a in spec.get("actions", []):
         if a["step"] == step and a.get("process", pid) == pid:
-          act(a)
+          act(a, workdir)
 
     res = real(config, workdir, on_step=on_step, **kw)
     if spec.get("dump_params"):

@@ -270,16 +270,27 @@ def _stats_line(res, bps: float, repeats: int) -> str:
   steps = len(res.accepted_per_step[0])
   nbytes = len(res.ids[0])
   acc = res.acceptance_rate
-  acc_txt = "acceptance n/a (nothing proposed)" if acc != acc else f"acceptance {acc:.2f}"
+  acc_txt = "acceptance n/a (nothing proposed)" if acc != acc else f"acceptance {_rate(acc)}"
   return (
     f"-- {nbytes} bytes in {steps} steps: {bps:.0f} bytes/s (median of {max(1, repeats)}), "
     f"{nbytes / max(steps, 1):.2f} bytes/step, {acc_txt}, bytes/step histogram {res.histogram}"
   )
 
 
+def _rate(x: float) -> str:
+  """A rate in [0, 1] to 2 decimals, or to 3 when it is above 0 but below 0.01 (so a rate
+  that is not zero never reads 0.00)."""
+  return f"{x:.3f}" if 0 < x < 0.01 else f"{x:.2f}"
+
+
+# A small model's multi-byte head is rarely sure: between "accepts nothing" and "accepts every
+# guess" (the demo model: nothing at 0.3, 0.4% at 0.2, 7% at 0.15, all at 0.1) steps of 0.05.
+TAU_STEPS = (0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05, 0.0)
+
+
 def _tau_ladder(tau: float) -> list:
-  """tau, then the lower of 0.3 / 0.1 / 0.0: tried in turn until threshold accepts something."""
-  return [tau] + [t for t in (0.3, 0.1, 0.0) if t < tau]
+  """tau, then the lower of ``TAU_STEPS``: tried in turn until threshold accepts something."""
+  return [tau] + [t for t in TAU_STEPS if t < tau]
 
 
 def main(argv=None):
@@ -462,11 +473,14 @@ def _engine_sections(model, args):
       print(f"(model.generate failed in threshold mode: {type(e).__name__}: {e})\n")
       return None
     print(f"== multi-byte (threshold, tau={tau}, n={args.n}) [model.generate] ==")
-    print(args.prompt + thr.texts[0])
-    print(_stats_line(thr, thr_bps, args.repeats))
     if thr.acceptance_rate > 0:
+      print(args.prompt + thr.texts[0])
+      print(_stats_line(thr, thr_bps, args.repeats))
       break
-    print(f"-- At tau {tau} the multi-byte head was never that sure: nothing accepted.\n")
+    print(
+      f"-- At tau {tau} the multi-byte head was never that sure: nothing accepted, so the text "
+      f"is ntp's ({len(thr.ids[0])} bytes in {len(thr.accepted_per_step[0])} steps).\n"
+    )
   if thr is not None and thr.acceptance_rate > 0:
     diff = first_difference(ntp.ids[0], thr.ids[0])
     where = "never differs from ntp's" if diff < 0 else f"leaves ntp's at byte {diff}"
@@ -479,7 +493,7 @@ def _engine_sections(model, args):
     )
     print(
       f"-- threshold takes the multi-byte head's guesses unchecked when p >= {tau}: it accepted "
-      f"{thr.acceptance_rate:.0%} of them, {thr_bpstep:.2f} bytes per step at {ratio:.2f}x ntp's "
+      f"{thr.acceptance_rate:.1%} of them, {thr_bpstep:.2f} bytes per step at {ratio:.2f}x ntp's "
       f"bytes/s, {speed}, and its text {where}: approximate by design, and only as good as "
       "guesses that sure.\n"
     )

@@ -301,7 +301,7 @@ class Checkpointer:
     self._raise_failure()
     started = (set(threading.enumerate()), time.monotonic())
     try:
-      self._probe(step)
+      self._probe_everywhere(step)
       self.manager.save(step, args=ocp.args.Composite(**items), force=True)
     except Exception as e:  # noqa: BLE001 - classified in _failed
       self._failed(step, e, started)
@@ -350,6 +350,22 @@ class Checkpointer:
       raise CheckpointSaveError(f"an earlier save failed: {_short(self._failure)}") from None
     self._failure_raised = True
     raise self._failure
+
+  def _probe_everywhere(self, step: int) -> None:
+    """``_probe`` on every process, with one outcome: when any process cannot write the step,
+    every process raises before orbax starts (the others would wait in orbax's barriers for
+    the one that stopped); a process whose own probe passed names those that failed."""
+    from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
+
+    try:
+      self._probe(step)
+    except Exception:
+      distributed.processes_saying_no(False)  # a collective: the others are waiting for it
+      raise
+    failed = distributed.processes_saying_no(True)
+    if failed:
+      who = ", ".join(str(i) for i in failed)
+      raise OSError(f"process {who} could not write it (its own error says why)")
 
   def _probe(self, step: int) -> None:
     """Fail before orbax starts when the step cannot be written at all (read-only, no space

@@ -415,9 +415,16 @@ def local_process_info() -> str:
 
 def all_agree(flag: bool) -> bool:
   """True on every process iff ``flag`` is True on every process (False when one says False)."""
+  return not processes_saying_no(flag)
+
+
+def processes_saying_no(flag: bool) -> list:
+  """The indices of the processes whose ``flag`` is False (the same list on every process; a
+  collective: every process must call it)."""
   if jax.process_count() == 1:
-    return bool(flag)
-  return bool(np.all(multihost_utils.process_allgather(np.array([bool(flag)]))))
+    return [] if flag else [0]
+  flags = np.asarray(multihost_utils.process_allgather(np.array([bool(flag)]))).reshape(-1)
+  return [int(i) for i in np.flatnonzero(~flags)]
 
 
 def barrier(name: str) -> None:
@@ -436,6 +443,7 @@ __all__: Sequence[str] = (
   "first_slurm_host",
   "slurm_local_device_ids",
   "all_agree",
+  "processes_saying_no",
   "barrier",
   "EXIT_HUNG",
 )
