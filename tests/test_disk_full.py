@@ -237,18 +237,23 @@ def test_last_save_failure_is_one_line(tmp_path, async_save):
   assert _metrics_steps(wd) == list(range(1, 9))
 
 
-def test_unwritable_step_fails_before_orbax_starts(tmp_path):
-  """A step that cannot be written at all (here: not even a 4 KiB file) is refused by the
-  probe before orbax starts its writer threads (which would wait 300 s for a directory that
-  is never created); step 1 stays."""
-  res = subprocess.run(
-    [sys.executable, "-c", _PROBE_CHILD, str(tmp_path)],
+def _run_script(script: str, tmp_path):
+  """A child ``python -c script TMP`` (the Checkpointer scripts above), output captured."""
+  return subprocess.run(
+    [sys.executable, "-c", script, str(tmp_path)],
     env=_env(),
     cwd=ROOT,
     capture_output=True,
     text=True,
     timeout=120,
   )
+
+
+def test_unwritable_step_fails_before_orbax_starts(tmp_path):
+  """A step that cannot be written at all (here: not even a 4 KiB file) is refused by the
+  probe before orbax starts its writer threads (which would wait 300 s for a directory that
+  is never created); step 1 stays."""
+  res = _run_script(_PROBE_CHILD, tmp_path)
   assert res.returncode == 0, res.stderr[-4000:]
   out = res.stdout.strip()
   assert out.startswith("ERROR checkpoint save at step 2 failed: file too large"), out
@@ -261,14 +266,7 @@ def test_step_directory_that_cannot_be_created_fails_in_save(tmp_path):
   """Space running out between the probe and orbax's directory creation: the save call
   itself raises the one-line error (the directories are created synchronously), not a later
   save or close after orbax's background threads gave up; step 1 stays."""
-  res = subprocess.run(
-    [sys.executable, "-c", _RACE_CHILD, str(tmp_path)],
-    env=_env(),
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
+  res = _run_script(_RACE_CHILD, tmp_path)
   assert res.returncode == 0, res.stderr[-4000:]
   out = res.stdout.strip().splitlines()[-1]
   assert out.startswith("ERROR in save: checkpoint save at step 2 failed: no space left"), out

@@ -346,6 +346,20 @@ def test_lock_in_process_and_without_flock(tmp_path, monkeypatch):
 HEARTBEAT = 5
 
 
+def _two_processes(tmp_path, port, env, heartbeat, args) -> list:
+  """Processes 0 and 1 of one run, started by launch/multiprocess.sh (logs TMP/p<i>.log)."""
+  return [
+    mh.Proc(
+      ["bash", MULTI, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+      + ["--process-id", str(i), "--heartbeat-timeout", str(heartbeat), "--"]
+      + args,
+      env,
+      tmp_path / f"p{i}.log",
+    )
+    for i in (0, 1)
+  ]
+
+
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker_dies", "coordinator_dies"])
 def test_killed_peer_makes_survivor_exit(tmp_path, victim):
   """One process is SIGKILLed during step index 1; the other, waiting for it in the step's
@@ -358,27 +372,9 @@ def test_killed_peer_makes_survivor_exit(tmp_path, victim):
   env = mh.child_env(
     2, {"actions": [{"step": 1, "process": victim, "do": "sigkill_self", "stamp": str(stamp)}]}
   )
-  procs = [
-    mh.Proc(
-      [
-        "bash",
-        MULTI,
-        "--coordinator",
-        f"127.0.0.1:{port}",
-        "--num-processes",
-        "2",
-        "--process-id",
-        str(i),
-        "--heartbeat-timeout",
-        str(HEARTBEAT),
-        "--",
-      ]
-      + mh.train_args(wd, "train.steps=4", *mh.MESH4),
-      env,
-      tmp_path / f"p{i}.log",
-    )
-    for i in (0, 1)
-  ]
+  procs = _two_processes(
+    tmp_path, port, env, HEARTBEAT, mh.train_args(wd, "train.steps=4", *mh.MESH4)
+  )
   rc_victim = procs[victim].wait()
   rc = procs[survivor].wait(timeout=HEARTBEAT + 120)
   ended = time.time()
@@ -405,27 +401,7 @@ def test_storage_failure_on_one_process_stops_every_process(tmp_path):
   wd = tmp_path / "wd"
   port = mh.free_port()
   env = mh.child_env(2, {"actions": [{"step": 3, "process": 1, "do": "no_space"}]})
-  procs = [
-    mh.Proc(
-      [
-        "bash",
-        MULTI,
-        "--coordinator",
-        f"127.0.0.1:{port}",
-        "--num-processes",
-        "2",
-        "--process-id",
-        str(i),
-        "--heartbeat-timeout",
-        "10",
-        "--",
-      ]
-      + mh.train_args(wd, "train.steps=6", *mh.MESH4),
-      env,
-      tmp_path / f"p{i}.log",
-    )
-    for i in (0, 1)
-  ]
+  procs = _two_processes(tmp_path, port, env, 10, mh.train_args(wd, "train.steps=6", *mh.MESH4))
   lines = []
   for p in procs:
     rc = p.wait(timeout=300)
@@ -445,27 +421,13 @@ def test_multiprocess_config_error_is_one_line(tmp_path):
   """Every process sees the bad batch layout, says so in one line and exits 2 (together)."""
   port = mh.free_port()
   env = mh.child_env(2, LCA_TRAIN=f"{sys.executable} -m lca_jax.cli.train")
-  procs = [
-    mh.Proc(
-      [
-        "bash",
-        MULTI,
-        "--coordinator",
-        f"127.0.0.1:{port}",
-        "--num-processes",
-        "2",
-        "--process-id",
-        str(i),
-        "--heartbeat-timeout",
-        "10",
-        "--",
-      ]
-      + mh.train_args(tmp_path / "wd", "train.micro_batch_size=2", "train.global_batch_bytes=64"),
-      env,
-      tmp_path / f"p{i}.log",
-    )
-    for i in (0, 1)
-  ]
+  procs = _two_processes(
+    tmp_path,
+    port,
+    env,
+    10,
+    mh.train_args(tmp_path / "wd", "train.micro_batch_size=2", "train.global_batch_bytes=64"),
+  )
   for i, p in enumerate(procs):
     rc = p.wait(timeout=200)
     errs = [l for l in p.output().splitlines() if l.startswith("lca-train: error:")]
