@@ -14,6 +14,8 @@ import os
 import pytest
 from conftest import load_tool
 
+from lca_jax.decode import engine, hlo_stats
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "bench_decode.py")
 TINY = [
@@ -126,6 +128,31 @@ def test_bench_decode_random_shape(capsys):
   assert b1["cache_len"] == b2["cache_len"] and b2["lm_fraction"] >= b1["lm_fraction"]
   assert b2["read_kv_bytes"] >= 2 * b1["read_kv_bytes"] - 2
   assert out["ratios"] == {}
+
+
+def test_bench_decode_profile(capsys):
+  """--profile: the loop body's ops found in the profiler's events, per step, by kind."""
+  argv = SHAPE + TINY + ["--modes", "ntp", "--batch", "2", "--naive-bytes", "0", "--profile"]
+  out = _tool().main(argv)
+  capsys.readouterr()
+  prof = out["results"]["ntp_b2"]["step_profile"]
+  assert prof["steps"] == out["results"]["ntp_b2"]["steps"]
+  kinds = prof["thread_ms_per_step_by_kind"]
+  assert kinds and all(v >= 0 for v in kinds.values())
+  assert prof["thread_ms_per_step"] == pytest.approx(sum(kinds.values()), rel=0.01, abs=1e-3)
+  assert prof["thread_ms_per_step"] > 0
+
+
+def test_step_op_kinds_names_the_loop_body_ops():
+  """The cache products of a decode step are batched dots, the weights' plain dots."""
+  tool = _tool()
+  model = tool.random_model(
+    tool.model_config(None, (), d_model=32, d_inner=64, n_heads=2, layers="1,1,1,1")
+  )
+  text = engine.compiled_decode(model, ["abc", "de"], mode="ntp", max_bytes=4).as_text()
+  kinds = hlo_stats.step_op_kinds(text)
+  assert kinds and not {"while", "conditional", "parameter", "tuple"} & set(kinds.values())
+  assert {"dot", "cache_dot"} <= set(kinds.values())
 
 
 def test_model_sources():

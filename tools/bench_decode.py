@@ -29,16 +29,22 @@ latent LM in the measured fraction of steps that close a group, the MBP stack / 
 threshold and verify; plus the KV caches its attention reads), ``bound_ms_per_step`` = bytes /
 bandwidth and ``ms_per_step_over_bound`` = measured / bound. Last, a naive loop that reruns the
 full forward over the whole (fixed-size, so compiled once) sequence for every byte, as the
-paper's code does. Ratios are against the naive loop and against cached ntp. Bad input: an
-argparse error (exit status 2).
+paper's code does. Ratios are against the naive loop and against cached ntp. With ``--profile``
+each result also gets ``step_profile``: one more call traced by the XLA profiler, the thread
+time of the loop body's ops per step by kind (``cache_dot``: the attention products over
+the KV caches; ``dot``: the weight products; ``fusion``; others by op name), XLA:CPU only.
+Bad input: an argparse error (exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import json
 import os
 import sys
+import tempfile
 import time
 
 import jax
@@ -232,6 +238,38 @@ def hlo_step(model, prompts, kw, length) -> dict:
   )
 
 
+def step_profile(model, prompts, kw) -> dict:
+  """Where a decode step's time goes, from the XLA profiler: one more ``generate`` call traced
+  (``jax.profiler``), its per-op events matched to the ops of the compiled loop body
+  (``hlo_stats.step_op_kinds``) and summed by kind, per step. Times are thread time summed
+  over XLA's executor threads (ops run side by side, so the sum may exceed the step's wall
+  time). XLA:CPU only (other backends name their events after kernels): None elsewhere."""
+  if jax.default_backend() != "cpu":
+    return None
+  kinds = hlo_stats.step_op_kinds(engine.compiled_decode(model, prompts, **kw).as_text())
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d)
+    try:
+      res = model.generate(prompts, **kw)
+    finally:
+      jax.profiler.stop_trace()
+    traces = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
+    data = jax.profiler.ProfileData.from_file(traces[-1])
+  ns = collections.Counter()
+  for plane in data.planes:
+    for line in plane.lines:
+      for ev in line.events:
+        if ev.name in kinds:
+          ns[kinds[ev.name]] += ev.duration_ns
+  steps = max(res.steps, 1)
+  per_step = {k: round(v / steps / 1e6, 4) for k, v in ns.most_common()}
+  return dict(
+    steps=res.steps,
+    thread_ms_per_step=round(sum(ns.values()) / steps / 1e6, 4),
+    thread_ms_per_step_by_kind=per_step,
+  )
+
+
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   src = ap.add_argument_group("model (one of --checkpoint, or a random model of a shape)")
@@ -255,6 +293,11 @@ def parse_args(argv=None):
     default=",".join(MODES),
     help="comma-separated subset of %(default)s (those without a multi-byte head "
     "are skipped for a model that has none)",
+  )
+  ap.add_argument(
+    "--profile",
+    action="store_true",
+    help="add each result's step profile (XLA profiler: thread ms per step by op kind)",
   )
   ap.add_argument("--stream-mb", type=float, default=128.0, help="W of the bandwidth matvec, MB")
   ap.add_argument("--stream-repeats", type=int, default=5)
@@ -354,6 +397,8 @@ def main(argv=None):
       ms = t["ms_per_step"]
       row.update(step_bound(model, kw["mode"], bsz, width, length, best, stream["bytes_per_s"], ms))
       row["step_hlo"] = hlo_step(model, prompts, kw, length)
+      if a.profile:
+        row["step_profile"] = step_profile(model, prompts, kw)
       out["results"][f"{mode}_b{bsz}"] = row
   naive = None
   if a.naive_bytes:

@@ -138,3 +138,24 @@ def step_stats(hlo_text: str, min_copy_bytes: int = 0) -> dict:
         {"shape": _SHAPE.search(instr).group(0)[1:].strip(), "bytes": result_bytes(instr)}
       )
   return {"ops": ops, "dots": dots, "fusions": fusions, "copies": copies}
+
+
+# control flow: its run time is that of the ops it runs, which are counted themselves
+_CONTROL_OPS = frozenset({"while", "conditional", "call"})
+
+
+def step_op_kinds(hlo_text: str) -> Dict[str, str]:
+  """Name (without %) -> kind of every op one decode step runs: ``cache_dot`` (a dot with batch
+  dimensions, rows and heads: the attention products over the KV caches), ``dot`` (the weight
+  products), ``fusion``, or the op's own name; free ops and control flow are left
+  out. For attributing profiler events to a step (tools/bench_decode.py --profile)."""
+  kinds = {}
+  for instr in _step_instructions(hlo_text):
+    op = op_name(instr)
+    if not op or op in FREE_OPS or op in _CONTROL_OPS:
+      continue
+    name = instr.split(" = ", 1)[0].replace("ROOT ", "").strip().lstrip("%")
+    if op == "dot":
+      op = "cache_dot" if "lhs_batch_dims=" in instr else "dot"
+    kinds[name] = op
+  return kinds
