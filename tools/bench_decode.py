@@ -223,9 +223,9 @@ def step_bound(model, mode, bsz, width, length, res, stream_bps, ms) -> dict:
   )
 
 
-def hlo_step(model, prompts, kw, length) -> dict:
-  """Ops of one compiled decode step (the loop body) and its cache-sized copies."""
-  text = engine.compiled_decode(model, prompts, **kw).as_text()
+def hlo_step(model, prompts, text, length) -> dict:
+  """Ops of one compiled decode step (the loop body of the optimized HLO ``text``) and its
+  cache-sized copies."""
   min_copy = bounds.min_cache_bytes(model.cfg, len(prompts), length)
   st = hlo_stats.step_stats(text, min_copy)
   return dict(
@@ -238,15 +238,15 @@ def hlo_step(model, prompts, kw, length) -> dict:
   )
 
 
-def step_profile(model, prompts, kw) -> dict:
+def step_profile(model, prompts, kw, text) -> dict:
   """Where a decode step's time goes, from the XLA profiler: one more ``generate`` call traced
-  (``jax.profiler``), its per-op events matched to the ops of the compiled loop body
-  (``hlo_stats.step_op_kinds``) and summed by kind, per step. Times are thread time summed
+  (``jax.profiler``), its per-op events matched to the ops of the compiled loop body (in its
+  optimized HLO ``text``, ``hlo_stats.step_op_kinds``) and summed by kind, per step. Times are thread time summed
   over XLA's executor threads (ops run side by side, so the sum may exceed the step's wall
   time). XLA:CPU only (other backends name their events after kernels): None elsewhere."""
   if jax.default_backend() != "cpu":
     return None
-  kinds = hlo_stats.step_op_kinds(engine.compiled_decode(model, prompts, **kw).as_text())
+  kinds = hlo_stats.step_op_kinds(text)
   with tempfile.TemporaryDirectory() as d:
     jax.profiler.start_trace(d)
     try:
@@ -396,9 +396,10 @@ def main(argv=None):
       )
       ms = t["ms_per_step"]
       row.update(step_bound(model, kw["mode"], bsz, width, length, best, stream["bytes_per_s"], ms))
-      row["step_hlo"] = hlo_step(model, prompts, kw, length)
+      text = engine.compiled_decode(model, prompts, **kw).as_text()  # the executable timed
+      row["step_hlo"] = hlo_step(model, prompts, text, length)
       if a.profile:
-        row["step_profile"] = step_profile(model, prompts, kw)
+        row["step_profile"] = step_profile(model, prompts, kw, text)
       out["results"][f"{mode}_b{bsz}"] = row
   naive = None
   if a.naive_bytes:
