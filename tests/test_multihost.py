@@ -61,10 +61,13 @@ def _child_main(argv):
   """lca-train (lca_jax.cli.train.main) with test actions from $LCA_TEST_CHILD:
 
   actions: [{"step": S, "process": P (default: every), "do": "sigterm_self" | "sigterm_parent"
-             | "sigkill_self" | "hang" | "no_space", "stamp": FILE (time.time() written
-             before acting)}]
+             | "sigkill_self" | "hang" | "no_space" | "limit_writes", "stamp": FILE
+             (time.time() written before acting), "bytes": B (limit_writes)}]
     no_space: from then on this process cannot create a directory in the checkpoint folder
               (ENOSPC, as a full local disk): the next save's probe fails there only.
+    limit_writes: from then on a write of this process past B bytes in one file fails
+                  (RLIMIT_FSIZE, EFBIG; SIGXFSZ ignored): the next save's probe (4 KiB)
+                  passes and its array files fail midway on orbax's writer threads.
   hang_rename_step: S -> the commit (tmp dir -> final rename) of checkpoint S blocks forever,
                      after writing FILE hang_marker.
   dump_params: FILE -> process 0 saves the final params (all processes gathered) to FILE.npz.
@@ -123,6 +126,12 @@ def _child_main(argv):
       time.sleep(3600)
     elif what == "no_space":
       no_space(workdir)
+    elif what == "limit_writes":
+      import resource  # pylint: disable=g-import-not-at-top
+
+      signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+      hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+      resource.setrlimit(resource.RLIMIT_FSIZE, (a["bytes"], hard))
 
   real = loop.train_and_evaluate
 

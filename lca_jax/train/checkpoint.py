@@ -61,6 +61,8 @@ import orbax.checkpoint as ocp
 
 from lca_jax.errors import LoadError
 from lca_jax.model.config import ModelConfig
+from lca_jax.train import distributed
+from lca_jax.train import stop as stop_lib
 from lca_jax.train.errors import TrainError
 from lca_jax.train.manifest import (
   MANIFEST,
@@ -80,6 +82,14 @@ PROBE_MARK = ".lca-probe-"  # Checkpointer._probe's directories
 
 
 # ---- failed saves -------------------------------------------------------------------------
+class PeerSaveError(OSError):
+  """Another process could not write its part of a checkpoint (its own error says why)."""
+
+  def __init__(self, processes):
+    who = ", ".join(str(i) for i in processes)
+    super().__init__(f"process {who} could not write it (its own error says why)")
+
+
 class CheckpointSaveError(TrainError):
   """A checkpoint could not be written (no space left, quota, read-only file system, ...).
   The partial step was removed; the earlier steps are intact and a rerun resumes from the
@@ -259,7 +269,11 @@ class Checkpointer:
       # a background thread): a step that cannot be created (space gone since ``_probe``)
       # then fails in ``save`` itself, before any writer thread starts, instead of at the
       # next ``save`` / ``close`` after orbax's threads gave up waiting for it
-      async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+      # barriers of asynchronous saves among processes (multi-process runs): see _barrier
+      async_options=ocp.AsyncOptions(
+        create_directories_asynchronously=False,
+        barrier_sync_fn=self._barrier if jax.process_count() > 1 else None,
+      ),
     )
     self.workdir = os.path.abspath(workdir)
     self.directory = checkpoint_dir(workdir)
@@ -270,6 +284,8 @@ class Checkpointer:
     self._failure: Optional[BaseException] = None  # a failed save: raised by save / close
     self._failure_raised = False
     self._cleanup_lock = threading.Lock()
+    self._barriers = distributed.AbortableBarriers("lca_checkpoint")
+    self._saving: Optional[int] = None  # the step of the save in flight (the barriers' scope)
     if not read_only:
       _quiet_storage_noise()
       if jax.process_index() == 0 and os.path.isdir(self.directory):
@@ -300,6 +316,7 @@ class Checkpointer:
     self._finish_pending()  # the previous (asynchronous) save
     self._raise_failure()
     started = (set(threading.enumerate()), time.monotonic())
+    self._saving = step
     try:
       self._probe_everywhere(step)
       self.manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -326,8 +343,6 @@ class Checkpointer:
           self._failed(step, e, started)
         except Exception as e2:  # noqa: BLE001 - never lose the failure
           self._failure = self._failure or e2
-        from lca_jax.train import stop as stop_lib  # pylint: disable=g-import-not-at-top
-
         stop_lib.request_stop(f"checkpoint save at step {step} failed")
 
     self._watcher = threading.Thread(target=run, name=f"lca_checkpoint_{step}", daemon=True)
@@ -355,8 +370,6 @@ class Checkpointer:
     """``_probe`` on every process, with one outcome: when any process cannot write the step,
     every process raises before orbax starts (the others would wait in orbax's barriers for
     the one that stopped); a process whose own probe passed names those that failed."""
-    from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
-
     try:
       self._probe(step)
     except Exception:
@@ -364,8 +377,27 @@ class Checkpointer:
       raise
     failed = distributed.processes_saying_no(True)
     if failed:
-      who = ", ".join(str(i) for i in failed)
-      raise OSError(f"process {who} could not write it (its own error says why)")
+      raise PeerSaveError(failed)
+
+  def _barrier(self, *, key: str, timeout_ms: int) -> None:
+    """orbax's barriers of an asynchronous save, among processes (``AsyncOptions``). A
+    process whose part of the save fails on orbax's threads (a write error midway: its disk
+    filled up) skips the barrier it waits at when its commit fails, and the others would
+    wait out orbax's 20-minute timeout in theirs: here such a process, which reaches its
+    next barrier on orbax's finalize thread with the error propagating, aborts the save's
+    barriers instead, and every other process leaves its barrier at once with a
+    ``PeerSaveError`` naming it. (Barriers on the main thread are never aborted: an exception
+    being handled there is the caller's, not the save's.)"""
+    scope = str(self._saving)
+    failing = sys.exc_info()[1]
+    if failing is not None and threading.current_thread() is not threading.main_thread():
+      if not isinstance(failing, PeerSaveError):  # this process's own write failed
+        self._barriers.abort(scope)
+      return
+    try:
+      self._barriers.wait(key, timeout_ms / 1000, scope)
+    except distributed.BarrierAborted as e:
+      raise PeerSaveError(e.processes) from None
 
   def _probe(self, step: int) -> None:
     """Fail before orbax starts when the step cannot be written at all (read-only, no space
@@ -534,8 +566,6 @@ class Checkpointer:
     dest = None
     if jax.process_index() == 0:
       dest = set_aside(self.workdir, step)
-    from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
-
     distributed.barrier(f"lca_set_aside_{step}")
     self.manager.reload()
     return dest
@@ -546,8 +576,6 @@ class Checkpointer:
     WORKDIR/corrupt_checkpoints/) with a ``CorruptCheckpointWarning`` naming them; nothing is
     moved when no step restores (``CorruptCheckpointError`` listing why), so a systematic
     problem never empties the directory."""
-    from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
-
     steps = sorted(self.all_steps(), reverse=True)
     if not steps:
       return None, None
