@@ -393,27 +393,31 @@ def test_killed_peer_makes_survivor_exit(tmp_path, victim):
   assert ckpt_lib.Checkpointer(str(wd), read_only=True).all_steps() == []
 
 
-# how process 1's storage fails at the checkpoint of step 4, and what its own line says
+# how process 1's storage fails at the checkpoint of step 4, what its own line says, and
+# whether saves are asynchronous
 ONE_PROCESS_FAILS = {
   # its disk is full: the probe before orbax starts fails there only
-  "before_orbax": ({"do": "no_space"}, "no space left on device"),
+  "before_orbax": ({"do": "no_space"}, "no space left on device", True),
   # its array files fail midway on orbax's writer threads (the probe's 4 KiB still fits)
-  "midway": ({"do": "limit_writes", "bytes": 8192}, "file too large"),
+  "midway": ({"do": "limit_writes", "bytes": 8192}, "file too large", True),
+  "midway_sync": ({"do": "limit_writes", "bytes": 8192}, "file too large", False),
 }
 
 
 @pytest.mark.parametrize("how", list(ONE_PROCESS_FAILS))
 def test_storage_failure_on_one_process_stops_every_process(tmp_path, how):
-  """Only process 1 cannot write the (asynchronous) checkpoint of step 4: both processes exit
-  2 at that save, each with one line (process 1 naming its error, process 0 naming process
-  1), instead of process 0 waiting in orbax's barriers for a peer that left (before_orbax) or
-  whose commit failed (midway: orbax's barrier timeout is 20 minutes); the checkpoint of step
-  2 is intact and is the only one, no tmp directory is left."""
+  """Only process 1 cannot write the checkpoint of step 4: both processes exit 2 at that save,
+  each with one line (process 1 naming its error, process 0 naming process 1), instead of
+  process 0 waiting in orbax's barriers for a peer that left (before_orbax) or whose commit
+  failed (midway: orbax's barrier timeout is 20 minutes; synchronous saves died in a gloo
+  collective with a traceback); the checkpoint of step 2 is intact and is the only one, no
+  tmp directory is left."""
   wd = tmp_path / "wd"
   port = mh.free_port()
-  action, own_error = ONE_PROCESS_FAILS[how]
+  action, own_error, async_save = ONE_PROCESS_FAILS[how]
   env = mh.child_env(2, {"actions": [dict(action, step=3, process=1)]})
-  procs = _two_processes(tmp_path, port, env, 10, mh.train_args(wd, "train.steps=6", *mh.MESH4))
+  run = ("train.steps=6", f"train.async_checkpointing={async_save}", *mh.MESH4)
+  procs = _two_processes(tmp_path, port, env, 10, mh.train_args(wd, *run))
   lines = []
   for p in procs:
     rc = p.wait(timeout=300)

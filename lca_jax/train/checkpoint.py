@@ -10,8 +10,9 @@ Layout of WORKDIR:
       meta                            JSON: model config, step, bytes seen
 
 ``step`` is the number of optimizer steps completed. Saving is asynchronous (the arrays are
-copied to host before ``save`` returns, so the next, donating train step is safe); the data
-iterator state is captured at save time. Restores take their target shardings from the
+copied to host before ``save`` returns, so the next, donating train step is safe; with
+``async_save=False`` ``save`` waits for the commit); the data iterator state is captured at
+save time. Restores take their target shardings from the
 abstract state of the *current* mesh, so a run can resume on a different device layout.
 
 Fault tolerance:
@@ -39,6 +40,10 @@ Fault tolerance:
     failure of the last save is raised by ``close``. orbax's and tensorstore's own reports of
     the same failure (logged tracebacks, "Event loop is closed" from write callbacks that
     arrive after orbax closed their event loop) are kept off stderr (``_quiet_storage_noise``).
+  * In a multi-process run the processes agree on the probe before orbax starts, and orbax's
+    barriers of a save can be aborted (``_barrier``): a process whose write fails midway
+    makes the others leave them at once (``PeerSaveError``) instead of after orbax's
+    20-minute timeout.
 """
 
 from __future__ import annotations
@@ -263,7 +268,11 @@ class Checkpointer:
     opts = ocp.CheckpointManagerOptions(
       max_to_keep=max(1, int(keep)) if keep else None,
       create=not read_only,
-      enable_async_checkpointing=async_save and not read_only,
+      # orbax always saves in the background; a synchronous Checkpointer waits for the commit
+      # inside ``save``. One path for both, and synchronous multi-process saves also get the
+      # abortable barriers (orbax's synchronous save meets the others in a gloo collective,
+      # which fails with a traceback when a process whose write failed has left)
+      enable_async_checkpointing=not read_only,
       cleanup_tmp_directories=not read_only,
       # the step's directories are created inside ``save`` (orbax's default creates them on
       # a background thread): a step that cannot be created (space gone since ``_probe``)
@@ -324,10 +333,9 @@ class Checkpointer:
       self._failed(step, e, started)
       self._raise_failure()
     self._unsealed.append(step)
-    if self.async_save:
-      self._watch(step, started)
-    else:
-      self._seal()
+    self._watch(step, started)
+    if not self.async_save:
+      self.wait()
 
   # ---- failed saves ----
   def _watch(self, step: int, started: tuple) -> None:
@@ -343,7 +351,8 @@ class Checkpointer:
           self._failed(step, e, started)
         except Exception as e2:  # noqa: BLE001 - never lose the failure
           self._failure = self._failure or e2
-        stop_lib.request_stop(f"checkpoint save at step {step} failed")
+        if self.async_save:  # a synchronous save raises it in the call itself
+          stop_lib.request_stop(f"checkpoint save at step {step} failed")
 
     self._watcher = threading.Thread(target=run, name=f"lca_checkpoint_{step}", daemon=True)
     self._watcher.start()
