@@ -64,7 +64,7 @@ from typing import Any, Optional
 import jax
 import orbax.checkpoint as ocp
 
-from lca_jax.errors import LoadError
+from lca_jax.errors import LcaError, LoadError
 from lca_jax.model.config import ModelConfig
 from lca_jax.train import distributed
 from lca_jax.train import stop as stop_lib
@@ -87,7 +87,7 @@ PROBE_MARK = ".lca-probe-"  # Checkpointer._probe's directories
 
 
 # ---- failed saves -------------------------------------------------------------------------
-class PeerSaveError(OSError):
+class PeerSaveError(LcaError, OSError):
   """Another process could not write its part of a checkpoint (its own error says why)."""
 
   def __init__(self, processes):

@@ -432,7 +432,7 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-class BarrierAborted(Exception):
+class BarrierAborted(DistributedError):
   """A barrier that another process aborted (its part of the shared work failed)."""
 
   def __init__(self, processes: Sequence[int]):
