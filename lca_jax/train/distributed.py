@@ -39,6 +39,7 @@ from typing import Mapping, Optional, Sequence
 
 import jax
 import numpy as np
+from jax._src import distributed as jax_distributed
 from jax.experimental import multihost_utils
 
 from lca_jax.errors import LcaError
@@ -441,8 +442,7 @@ class BarrierAborted(DistributedError):
 
 
 def _client():
-  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-
+  """jax's coordination-service client (jax.distributed); orbax reaches it the same way."""
   client = jax_distributed.global_state.client
   if client is None:
     raise DistributedError("jax.distributed is not initialized")
