@@ -10,6 +10,7 @@ options are checked by parsing alone.
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 from conftest import load_tool
@@ -109,7 +110,44 @@ def test_bench_decode_tiny(tiny_upstream_checkpoint, capsys):
   assert res["ntp_b1"]["acceptance_rate"] is None and res["ntp_b1"]["bytes_per_step"] == 1.0
   assert 0 <= res["threshold_b1"]["acceptance_rate"] <= 1
   assert res["naive_full_forward_b1"]["bytes_per_s"] > 0
-  assert set(out["ratios"]) == {"ntp_b1_vs_naive", "threshold_b1_vs_ntp_b1"}
+  assert set(out["ratios"]) == {
+    "ntp_b1_vs_naive",
+    "threshold_b1_vs_ntp_b1",
+    "threshold_b1_step_vs_ntp_b1_step",
+  }
+  step_ratio = res["threshold_b1"]["ms_per_step"] / res["ntp_b1"]["ms_per_step"]
+  assert out["ratios"]["threshold_b1_step_vs_ntp_b1_step"] == pytest.approx(step_ratio, abs=0.01)
+
+
+def test_modes_are_timed_in_alternating_rounds():
+  """Every mode is warmed up first, then each round calls every mode once (and its prefill
+  call): a ratio between modes compares calls of the same minutes. The decode figures are the
+  fastest call minus the fastest prefill."""
+  calls = []
+
+  class Fake:
+    def generate(self, prompts, mode, max_bytes):
+      del prompts
+      calls.append((mode, max_bytes))
+      per_step = {"ntp": 0.001, "threshold": 0.002}[mode] * (1 + 0.1 * (len(calls) % 3))
+      return SimpleNamespace(
+        bytes_per_s=max_bytes / (0.01 + per_step * max_bytes),
+        elapsed_s=0.01 + per_step * max_bytes,
+        steps=max_bytes,
+        ids=[[0] * max_bytes],
+      )
+
+  kws = {m: dict(mode=m, max_bytes=9) for m in ("ntp", "threshold")}
+  out = _tool().timed_decodes(Fake(), [None], kws, repeats=3)
+  warm = [("ntp", 9), ("ntp", 1), ("threshold", 9), ("threshold", 1)]
+  assert calls == warm + warm * 3
+  # calls 5..16 of the rounds: the fastest full call and the fastest prefill of each mode
+  assert out["ntp"]["separable"] and out["threshold"]["separable"]
+  for m, base in (("ntp", 0.001), ("threshold", 0.002)):
+    full = [0.01 + base * (1 + 0.1 * (i % 3)) * 9 for i, c in enumerate(calls, 1) if c == (m, 9)]
+    pre = [0.01 + base * (1 + 0.1 * (i % 3)) for i, c in enumerate(calls, 1) if c == (m, 1)]
+    expect = (min(full[1:]) - min(pre[1:])) / 8 * 1e3
+    assert out[m]["ms_per_step"] == pytest.approx(expect, rel=1e-9), m
 
 
 def test_bench_decode_random_shape(capsys):

@@ -29,7 +29,9 @@ latent LM in the measured fraction of steps that close a group, the MBP stack / 
 threshold and verify; plus the KV caches its attention reads), ``bound_ms_per_step`` = bytes /
 bandwidth and ``ms_per_step_over_bound`` = measured / bound. Last, a naive loop that reruns the
 full forward over the whole (fixed-size, so compiled once) sequence for every byte, as the
-paper's code does. Ratios are against the naive loop and against cached ntp. With ``--profile``
+paper's code does. The modes of a batch size are timed in alternating rounds (``--repeats``
+of them), so their ratios compare calls made in the same minutes. Ratios are against the naive
+loop and against cached ntp (bytes/s, and ``*_step_vs_ntp_*_step``: ms per step). With ``--profile``
 each result also gets ``step_profile``: one more call traced by the XLA profiler, the thread
 time of the loop body's ops per step by kind (``cache_dot``: the attention products over
 the KV caches; ``dot``: the weight products; ``fusion``; others by op name), XLA:CPU only.
@@ -172,32 +174,43 @@ def model_info(model) -> dict:
 
 
 # ---- one measurement --------------------------------------------------------------------------
-def timed_decode(model, prompts, kw, repeats: int) -> dict:
-  """``model.generate(prompts, **kw)`` after a warm-up: the fastest of ``repeats`` calls
-  (``best``), the fastest prefill + one step call (``prefill``: ``max_bytes=1``, timed alone),
-  and the decode steps' own figures (``ms_per_step``, ``decode_bytes_per_s``): the call minus
-  the prefill, or the whole call when too few new bytes rise above the timing noise
-  (``separable`` False)."""
-  model.generate(prompts, **kw)  # warm-up (compiles)
-  runs = [model.generate(prompts, **kw) for _ in range(repeats)]
-  best = max(runs, key=lambda r: r.bytes_per_s)
-  kw1 = dict(kw, max_bytes=1)
-  model.generate(prompts, **kw1)  # compiles
-  pre = min((model.generate(prompts, **kw1) for _ in range(repeats)), key=lambda r: r.elapsed_s)
-  dec_s, dec_steps = best.elapsed_s - pre.elapsed_s, best.steps - pre.steps
-  dec_bytes = sum(len(x) for x in best.ids) - sum(len(x) for x in pre.ids)
-  separable = dec_s > 0 and dec_steps > 0 and dec_bytes > 0
-  if not separable:
-    dec_s, dec_steps = best.elapsed_s, max(best.steps, 1)
-    dec_bytes = sum(len(x) for x in best.ids)
-  return dict(
-    best=best,
-    prefill=pre,
-    first=runs[0],
-    separable=separable,
-    ms_per_step=dec_s / dec_steps * 1e3,
-    decode_bytes_per_s=dec_bytes / dec_s,
-  )
+def timed_decodes(model, prompts, kws: dict, repeats: int) -> dict:
+  """For each mode of ``kws`` (name -> ``generate`` keywords), after a warm-up of them all
+  (compiles): the fastest of ``repeats`` calls (``best``), the fastest prefill + one step call
+  (``prefill``: ``max_bytes=1``), and the decode steps' own figures (``ms_per_step``,
+  ``decode_bytes_per_s``): the call minus the prefill, or the whole call when too few new
+  bytes rise above the timing noise (``separable`` False). The modes are timed in alternating
+  rounds (each round calls every mode once, then its prefill), so a ratio between two modes
+  compares calls made in the same minutes of this (shared, noisy) machine."""
+  one = lambda kw: dict(kw, max_bytes=1)
+  first = {}
+  for m, kw in kws.items():  # warm-up (compiles)
+    first[m] = model.generate(prompts, **kw)
+    model.generate(prompts, **one(kw))
+  runs, pres = collections.defaultdict(list), collections.defaultdict(list)
+  for _ in range(repeats):
+    for m, kw in kws.items():
+      runs[m].append(model.generate(prompts, **kw))
+      pres[m].append(model.generate(prompts, **one(kw)))
+  out = {}
+  for m in kws:
+    best = max(runs[m], key=lambda r: r.bytes_per_s)
+    pre = min(pres[m], key=lambda r: r.elapsed_s)
+    dec_s, dec_steps = best.elapsed_s - pre.elapsed_s, best.steps - pre.steps
+    dec_bytes = sum(len(x) for x in best.ids) - sum(len(x) for x in pre.ids)
+    separable = dec_s > 0 and dec_steps > 0 and dec_bytes > 0
+    if not separable:
+      dec_s, dec_steps = best.elapsed_s, max(best.steps, 1)
+      dec_bytes = sum(len(x) for x in best.ids)
+    out[m] = dict(
+      best=best,
+      prefill=pre,
+      first=first[m],
+      separable=separable,
+      ms_per_step=dec_s / dec_steps * 1e3,
+      decode_bytes_per_s=dec_bytes / dec_s,
+    )
+  return out
 
 
 def step_bound(model, mode, bsz, width, length, res, stream_bps, ms) -> dict:
@@ -369,15 +382,19 @@ def main(argv=None):
   }
   for bsz in a.batch:
     prompts = [prompt_ids(a.prompt_bytes, seed=i) for i in range(bsz)]
-    for mode in modes:
-      kw = dict(
+    kws = {
+      mode: dict(
         mode=mode.split("_")[0],
         tau=0.0 if mode.endswith("tau0") else a.tau,
         n=a.n,
         max_bytes=a.new_bytes,
         ignore_eos=True,
       )
-      t = timed_decode(model, prompts, kw, a.repeats)
+      for mode in modes
+    }
+    timed = timed_decodes(model, prompts, kws, a.repeats)
+    for mode, kw in kws.items():
+      t = timed[mode]
       best, pre, separable = t["best"], t["prefill"], t["separable"]
       width = 1 if kw["mode"] == "ntp" else a.n
       length = bounds.cache_len(
@@ -421,6 +438,10 @@ def main(argv=None):
     ntp_key = "ntp_" + key.split("_")[-1]
     if key.startswith(("threshold", "verify")) and ntp_key in res:
       ratios[f"{key}_vs_{ntp_key}"] = res[key]["bytes_per_s"] / res[ntp_key]["bytes_per_s"]
+      # what one step costs against an ntp step (the decode engine issue's step targets)
+      ratios[f"{key}_step_vs_{ntp_key}_step"] = (
+        res[key]["ms_per_step"] / res[ntp_key]["ms_per_step"]
+      )
   out["ratios"] = {k: round(v, 2) for k, v in ratios.items()}
   print(json.dumps(out, indent=1))
   return out
