@@ -339,9 +339,10 @@ class Checkpointer:
 
   # ---- failed saves ----
   def _watch(self, step: int, started: tuple) -> None:
-    """Wait for the asynchronous save of ``step`` on a daemon thread: when it fails, its
-    partial directory is removed at once and the run asked to stop at the end of the current
-    step (as SIGTERM does); that step's save call then raises the failure."""
+    """Wait for orbax's background save of ``step`` on a daemon thread: when it fails, its
+    partial directory is removed at once and, for an asynchronous Checkpointer, the run asked
+    to stop at the end of the current step (as SIGTERM does), whose save call then raises the
+    failure (a synchronous ``save`` waits for this thread and raises it itself)."""
 
     def run():
       try:

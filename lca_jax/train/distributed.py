@@ -449,6 +449,11 @@ def _client():
   return client
 
 
+def _processes_under(client, prefix: str) -> list:
+  """The process indices keyed under ``prefix`` (keys ``prefix<index>``), sorted."""
+  return sorted(int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(prefix))
+
+
 def _timed_out(exc: Exception) -> bool:
   return "DEADLINE_EXCEEDED" in str(exc)
 
@@ -478,8 +483,7 @@ class AbortableBarriers:
 
   def aborted_by(self, scope: str) -> list:
     """The processes that aborted ``scope`` (sorted; empty when none did)."""
-    entries = _client().key_value_dir_get(f"{self._ns}/abort/{scope}/")
-    return sorted(int(k.rsplit("/", 1)[-1]) for k, _ in entries)
+    return _processes_under(_client(), f"{self._ns}/abort/{scope}/")
 
   def wait(self, key: str, timeout_s: float, scope: str) -> None:
     n = jax.process_count()
@@ -500,7 +504,7 @@ class AbortableBarriers:
         raise BarrierAborted(failed)
       left_ms = int((deadline - time.monotonic()) * 1000)
       if left_ms <= 0:
-        arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(f"{base}/in/")}
+        arrived = set(_processes_under(client, f"{base}/in/"))
         missing = ", ".join(str(i) for i in range(n) if i not in arrived)
         raise TimeoutError(f"waited {timeout_s:.0f}s at barrier {key} for process {missing}")
       try:
