@@ -87,6 +87,9 @@ def assert_trees_equal(a, b):
 # wrong mask, index or missing term moves (1e-2 of the scale and more).
 REL_REORDER = 2e-5  # the same math, another summation order (sharding, cache, kernel, remat)
 REL_IMPL = 1e-4  # another implementation (PyTorch vs JAX, vectors computed on another machine)
+# float32 dots at TF32 (a GPU's default precision for them, in XLA and in Triton's tl.dot): 8x
+# TF32's unit roundoff 2^-11, as bfloat16 tests allow 2e-2 (~5x its 2^-8)
+REL_TF32 = 4e-3
 _TOL_LOG = os.environ.get("LCA_JAX_TEST_TOL_LOG", "")
 
 

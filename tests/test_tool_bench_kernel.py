@@ -1,5 +1,5 @@
-"""Smoke test of tools/bench_kernel.py (Pallas LCA attention vs XLA vs causal SDPA, one JSON
-object).
+"""Smoke test of tools/bench_kernel.py (Pallas LCA attention vs dense-masked and blockwise XLA
+vs causal SDPA, one JSON object).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest -q tests/test_tool_bench_kernel.py
 
@@ -45,13 +45,19 @@ def test_bench_kernel_small(capsys):
   }
   assert 0 < out["lca"]["density_vs_dense"] < 1
   # the tool records a failing implementation as {"error": ...} and goes on: none may fail here
-  assert set(out["results"]) == {"pallas_32x32", "xla_dense", "sdpa_causal"}
+  assert set(out["results"]) == {"pallas_32x32", "xla_dense", "xla_blockwise", "sdpa_causal"}
   for name, r in out["results"].items():
-    assert set(r) == TIMES, (name, r)
+    extra = {"implementation"} if name == "sdpa_causal" else set()
+    assert set(r) == TIMES | extra, (name, r)
     assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0, name
+  assert out["results"]["sdpa_causal"]["implementation"] == "xla"  # cuDNN on a GPU only
   assert out["best_pallas"] == "pallas_32x32"
-  assert set(out["speedup_pallas_vs_xla_dense"]) == {"fwd", "fwd_bwd"}
-  assert out["max_abs_diff_pallas_vs_xla"] < 1e-4  # float32: the kernel agrees with XLA
+  for other in ("xla_dense", "xla_blockwise", "sdpa_causal"):
+    assert set(out[f"speedup_pallas_vs_{other}"]) == {"fwd", "fwd_bwd"}, other
+  # float32: the kernel and the model's blockwise path agree with the dense-masked reference
+  # (outputs are convex combinations of standard normal values, of scale ~1)
+  assert out["max_abs_diff_pallas_vs_xla"] < 1e-4
+  assert out["max_abs_diff_blockwise_vs_xla"] < 1e-4
 
 
 def test_unknown_impl():

@@ -2,17 +2,21 @@
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest -q tests/test_tool_gpu_check.py
 
-The script has no CPU mode (every part needs CUDA), so it is rehearsed: it runs from a scratch
-directory whose tests/ and tools/ link to the repository's, with stand-ins for python3 and
-nvidia-smi on PATH that log their arguments and succeed. The test checks the script's syntax,
-its wheel handling, that every part runs and is summarised, that each test file and tool it
-names exists and that the options it passes to the tools parse.
+Its GPU command lines are rehearsed with stand-ins: the script runs from a scratch directory
+whose tests/, tools/ and configs/ link to the repository's, with python3 and nvidia-smi on PATH
+replaced by stubs that log their arguments and succeed (or report an out-of-memory error when
+told to). The tests check the script's syntax, its wheel handling, that every part runs in
+order and is summarised, the budget and the part selection, the micro-batch fallback, that each
+test file and tool it names exists and that the options it passes to the tools parse. Then its
+CPU mode (``GPU_CHECK_CPU=1``: the same commands at tiny sizes) runs some parts for real.
 """
 
+import json
 import os
 import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 from conftest import load_tool
@@ -23,6 +27,10 @@ SCRIPT = os.path.join(ROOT, "tools", "gpu_check.sh")
 STUB = """#!/usr/bin/env bash
 { printf '%q ' "$(basename "$0")" "PYTHONPATH=${PYTHONPATH:-}" "JAX_PLATFORMS=${JAX_PLATFORMS:-}" \
     "$@"; echo; } >> "$STUB_LOG"
+if [ -n "${STUB_OOM:-}" ] && [[ " $* " == *"$STUB_OOM "* ]]; then
+  echo "RESOURCE_EXHAUSTED: Out of memory while trying to allocate" >&2
+  exit 1
+fi
 """
 
 pytestmark = pytest.mark.skipif(
@@ -30,27 +38,27 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _rehearse(tmp_path, *args, demo=False, wheels=None):
+def _rehearse(tmp_path, *args, wheels=None, env=None):
   """Runs the script with stubs; returns (completed process, logged calls, $OUT), each call as
   (program, PYTHONPATH, JAX_PLATFORMS, [arguments])."""
   work, bin_dir, out = tmp_path / "work", tmp_path / "bin", tmp_path / "out"
   for d in (work, bin_dir):
-    d.mkdir()
-  for name in ("tests", "tools"):
+    d.mkdir(parents=True)
+  for name in ("tests", "tools", "configs"):
     os.symlink(os.path.join(ROOT, name), work / name)
-  if demo:
-    (work / "workdirs" / "demo").mkdir(parents=True)
   for name in ("python3", "nvidia-smi"):
     (bin_dir / name).write_text(STUB)
     (bin_dir / name).chmod(0o755)
   log = tmp_path / "calls.log"
   log.touch()
+  extra = env or {}
   env = {
     "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
     "OUT": str(out),
     "STUB_LOG": str(log),
     "HOME": str(tmp_path),
   }
+  env.update(extra)
   if wheels is not None:
     env["WHEELS_DIR"] = str(wheels)
   proc = subprocess.run(
@@ -74,34 +82,113 @@ def test_syntax():
   assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.parametrize("demo", [False, True])
-def test_rehearsal(tmp_path, demo):
-  """No wheels; the decode benchmark runs only when workdirs/demo exists."""
-  proc, calls, out = _rehearse(tmp_path, demo=demo)
+PARTS = [
+  "test_kernels",
+  "bench_kernel",
+  "bench_train_xla",
+  "bench_train_pallas",
+  "bench_decode",
+  "bench_decode_n6",
+  "test_decode",
+  "test_model",
+]
+
+
+def _parse_tool_args(tool: str, argv):
+  """The tool's own parser accepts the options the script passes (bench_train also applies its
+  ``--config.*`` overrides to the config file named)."""
+  mod = load_tool(tool)
+  parsed = mod.parse_args(argv)
+  if tool == "bench_train":
+    args, config = parsed
+    assert config.model.attention_impl in ("xla", "pallas")
+    assert config.data.format == "text" and config.data.train_files == ""  # bundled corpus
+    return args
+  return parsed
+
+
+def _summary(out):
+  """Part name -> its status word(s) in summary.txt (``rc=0`` or ``skipped``)."""
+  return {ln.split()[0]: ln.split()[1] for ln in (out / "summary.txt").read_text().splitlines()}
+
+
+def test_rehearsal(tmp_path, monkeypatch):
+  """No wheels: every part runs once, in order, on CUDA, with test files and tools that exist
+  and options the tools accept."""
+  proc, calls, out = _rehearse(tmp_path)
+  monkeypatch.chdir(tmp_path / "work")  # the tools' relative paths, as the script runs them
   assert proc.returncode == 0, proc.stderr
-  parts = ["test_kernels", "bench_kernel"] + (["bench_decode"] if demo else []) + ["test_decode"]
-  assert (out / "summary.txt").read_text().splitlines() == [f"{p} rc=0" for p in parts]
-  for p in parts:
+  assert list(_summary(out).items()) == [(p, "rc=0") for p in PARTS]
+  for p in PARTS:
     assert (out / f"{p}.out").is_file() and (out / f"{p}.err").is_file(), p
   work = tmp_path / "work"
-  assert [c[0] for c in calls] == ["nvidia-smi"] + ["python3"] * (1 + len(parts))
+  assert [c[0] for c in calls] == ["nvidia-smi"] + ["python3"] * (1 + len(PARTS))
   assert calls[1][3][0] == "-c" and "jax.devices()" in calls[1][3][1]  # gpu.txt's device line
   ran = []
-  for prog, pythonpath, platforms, argv in calls[1:]:
+  for prog, pythonpath, platforms, argv in calls[2:]:
     assert pythonpath == str(work) and platforms == "cuda", (prog, pythonpath, platforms)
-    if argv[0] == "-c":
-      continue
     if argv[:2] == ["-m", "pytest"]:
-      ran.append(argv[-1])
-      assert argv[-1].startswith("tests/") and (work / argv[-1]).is_file(), argv
+      files = [a for a in argv if a.startswith("tests/")]
+      assert files and all((work / f).is_file() for f in files), argv
+      assert "--collect-only" not in argv  # the tests really run on the GPU
+      ran.append(tuple(files))
     else:
-      ran.append(argv[0])
+      tool = os.path.splitext(os.path.basename(argv[0]))[0]
       assert argv[0].startswith("tools/") and (work / argv[0]).is_file(), argv
-      # the options the script passes are the tool's own
-      load_tool(os.path.splitext(os.path.basename(argv[0]))[0]).parse_args(argv[1:])
-  assert ran == ["tests/test_kernels.py", "tools/bench_kernel.py"] + (
-    ["tools/bench_decode.py"] if demo else []
-  ) + ["tests/test_decode.py"]
+      args = _parse_tool_args(tool, argv[1:])
+      ran.append((tool, getattr(args, "config", None)))
+  assert ran == [
+    ("tests/test_kernels.py", "tests/test_kernels_sharded.py"),
+    ("bench_kernel", None),
+    ("bench_train", "configs/lca_mbp.py"),
+    ("bench_train", "configs/lca_mbp.py"),
+    ("bench_decode", "configs/lca_mbp.py"),
+    ("bench_decode", "configs/lca_mbp.py"),
+    ("tests/test_decode.py",),
+    ("tests/test_model_parity.py", "tests/test_model_causality.py"),
+  ]
+  # the paper-scale shapes of the issue: bench_kernel's defaults, micro-batch 16 first
+  assert load_tool("bench_kernel").parse_args([]).seq == 4096
+  train = calls[4][3]
+  assert "--config.train.micro_batch_size=16" in train
+  assert "--config.train.global_batch_bytes=65536" in train
+
+
+def test_parts_and_budget(tmp_path):
+  """PARTS picks parts in the order given; a part that no longer fits the budget is skipped
+  and listed; an unknown part is refused with exit status 2 before anything runs."""
+  proc, calls, out = _rehearse(tmp_path, env={"PARTS": "bench_decode test_kernels"})
+  assert proc.returncode == 0, proc.stderr
+  assert list(_summary(out)) == ["bench_decode", "test_kernels"]
+  proc, calls, out = _rehearse(tmp_path / "b", env={"GPU_CHECK_BUDGET_S": "5"})
+  assert proc.returncode == 0, proc.stderr
+  assert set(_summary(out).values()) == {"skipped"} and list(_summary(out)) == PARTS
+  assert [c[0] for c in calls] == ["nvidia-smi", "python3"]  # only the device line
+  proc, calls, out = _rehearse(tmp_path / "c", env={"PARTS": "bench_kernel nope"})
+  assert proc.returncode == 2 and "unknown part nope" in proc.stderr
+  assert calls == []
+
+
+def test_out_of_memory_falls_back_to_fewer_rows(tmp_path):
+  """A train part whose 16-row micro-batch runs out of memory is run again with 8 rows; any
+  other failure is not retried."""
+  proc, calls, out = _rehearse(
+    tmp_path, env={"PARTS": "bench_train_xla", "STUB_OOM": "micro_batch_size=16"}
+  )
+  assert proc.returncode == 0, proc.stderr
+  rows = [a for c in calls[2:] for a in c[3] if a.startswith("--config.train.micro_batch_size")]
+  assert rows == ["--config.train.micro_batch_size=16", "--config.train.micro_batch_size=8"]
+  assert (out / "bench_train_xla.rows16.err").is_file()
+  lines = (out / "summary.txt").read_text().splitlines()
+  assert [ln.split()[:2] for ln in lines] == [
+    ["bench_train_xla", "rc=1"],
+    ["bench_train_xla", "rc=0"],
+  ]
+  # another failure is the part's result, not retried
+  proc, calls, out = _rehearse(
+    tmp_path / "b", env={"PARTS": "bench_train_xla", "STUB_OOM": "attention_impl=nope"}
+  )
+  assert [ln.split()[1] for ln in (out / "summary.txt").read_text().splitlines()] == ["rc=0"]
 
 
 def test_wheels_installed_first(tmp_path):
@@ -116,7 +203,7 @@ def test_wheels_installed_first(tmp_path):
   assert argv[argv.index("--target") + 1] == "/tmp/site"
   for _, pythonpath, _, _ in calls[1:]:  # everything after sees the installed wheels first
     assert pythonpath == f"/tmp/site:{tmp_path / 'work'}"
-  assert len((out / "summary.txt").read_text().splitlines()) == 3
+  assert len((out / "summary.txt").read_text().splitlines()) == len(PARTS)
 
 
 @pytest.mark.parametrize("how", ["argument", "environment"])
@@ -128,3 +215,37 @@ def test_missing_wheels_refused(tmp_path, how):
   assert proc.returncode == 1
   assert proc.stderr.strip() == f"no wheels (*.whl) in {empty}"
   assert calls == [] and not (out / "summary.txt").exists()  # nothing ran
+
+
+def test_cpu_mode_runs_for_real(tmp_path):
+  """``GPU_CHECK_CPU=1`` with this interpreter: a train step, a decode benchmark and test
+  collection really run (tiny sizes, the CPU), each part's JSON is complete."""
+  out = tmp_path / "out"
+  bin_dir = os.path.dirname(sys.executable)  # a virtual environment's python3 (not a link to it)
+  if not os.path.isfile(os.path.join(bin_dir, "python3")):
+    pytest.skip(f"no python3 beside {sys.executable}")
+  env = dict(
+    os.environ,
+    PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    OUT=str(out),
+    GPU_CHECK_CPU="1",
+    PARTS="test_kernels bench_train_xla bench_decode_n6 test_model",
+  )
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+    ["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
+  )
+  assert proc.returncode == 0, proc.stderr
+  summary = (out / "summary.txt").read_text().splitlines()
+  assert [ln.split()[:2] for ln in summary] == [
+    ["test_kernels", "rc=0"],
+    ["bench_train_xla", "rc=0"],
+    ["bench_decode_n6", "rc=0"],
+    ["test_model", "rc=0"],
+  ], (summary, proc.stdout)
+  train = json.loads((out / "bench_train_xla.out").read_text())
+  assert train["backend"] == "cpu" and train["attention_impl"] == "xla" and train["accum"] == 1
+  assert train["step_time_s"] > 0 and train["bytes_per_s"] > 0
+  decode = json.loads((out / "bench_decode_n6.out").read_text())
+  assert decode["n"] == 6 and set(decode["results"]) == {"ntp_b1", "threshold_tau0_b1"}
+  assert "tests collected" in (out / "test_kernels.out").read_text()

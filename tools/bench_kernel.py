@@ -1,13 +1,18 @@
 #!/usr/bin/env python
-"""Benchmark LCA attention: Pallas kernels vs dense-masked XLA vs causal SDPA.
+"""Benchmark LCA attention: Pallas kernels vs dense-masked XLA vs blockwise XLA vs causal SDPA.
 
 Times forward and forward+backward (vjp with a fixed cotangent) of
 
 * ``pallas_<bq>x<bk>``: ``lca_attention(impl="pallas")`` (block-sparse Triton
   kernels), one entry per ``--pallas-blocks`` config,
 * ``xla_dense``: ``lca_attention(impl="xla")`` (dense [T, T] mask, f32 softmax),
-* ``sdpa_causal``: ``jax.nn.dot_product_attention(is_causal=True)`` (cuDNN when
-  available, else XLA) as a speed-of-light reference for plain causal attention,
+* ``xla_blockwise``: the model's ``attention_impl="xla"`` path
+  (``model.attention.blockwise_attention`` over the LCA interval ``[lo_i, i]``, the
+  ModelConfig's LCA tile: ``lca_block_q`` x ``lca_block_q + lca_lookback``),
+* ``sdpa_causal``: ``jax.nn.dot_product_attention(is_causal=True)`` as a speed-of-light
+  reference for plain causal attention: ``implementation="cudnn"`` on a GPU (an error is
+  reported, not hidden, when cuDNN cannot run it), XLA's elsewhere (``"implementation"`` in
+  its result says which),
 
 and prints one JSON object with times (ms), TFLOP/s and ratios.
 
@@ -37,6 +42,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from lca_jax.kernels import lca_attention, lca_key_start  # noqa: E402
+from lca_jax.model.attention import blockwise_attention  # noqa: E402
+from lca_jax.model.config import ModelConfig  # noqa: E402
+
+IMPLS = ("pallas", "xla_dense", "xla_blockwise", "sdpa_causal")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--num-stages", type=int, default=2)
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--warmup", type=int, default=3)
-  p.add_argument("--impls", default="pallas,xla_dense,sdpa_causal")
+  p.add_argument("--impls", default="pallas,xla_dense,xla_blockwise,sdpa_causal")
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
   if args.small:
@@ -108,10 +117,16 @@ def fwd_and_fwd_bwd(attn):
   return fwd, fwd_bwd
 
 
+def sdpa_implementation() -> str | None:
+  """``jax.nn.dot_product_attention``'s implementation here: cuDNN on a GPU, else XLA's."""
+  return "cudnn" if jax.default_backend() == "gpu" else None
+
+
 def build_impls(args, seg, doc):
   """Name -> attention fn(q, k, v) for the requested implementations."""
   docs = doc if args.docs_per_row > 1 else None
   lca = functools.partial(lca_attention, segment_ids=seg, doc_ids=docs)
+  tile = ModelConfig()
   impls = {}
   for name in args.impls.split(","):
     if name == "pallas":
@@ -128,22 +143,35 @@ def build_impls(args, seg, doc):
         )
     elif name == "xla_dense":
       impls[name] = functools.partial(lca, impl="xla")
+    elif name == "xla_blockwise":
+      impls[name] = functools.partial(
+        blockwise_attention,
+        lo_BT=lca_key_start(seg, docs),
+        block_q=tile.lca_block_q,
+        block_k=tile.lca_block_q + tile.lca_lookback,
+      )
     elif name == "sdpa_causal":
-      impls[name] = functools.partial(jax.nn.dot_product_attention, is_causal=True)
+      impls[name] = functools.partial(
+        jax.nn.dot_product_attention, is_causal=True, implementation=sdpa_implementation()
+      )
     else:
-      raise ValueError(f"unknown impl {name!r}")
+      raise ValueError(f"unknown impl {name!r} (one of {', '.join(IMPLS)})")
   return impls
 
 
 def add_comparisons(report: dict, outputs: dict) -> None:
-  """Adds speedups of the fastest Pallas config (by fwd+bwd) and its max error vs XLA."""
+  """Adds speedups of the fastest Pallas config (by fwd+bwd) and the max error of it and of the
+  blockwise path vs the dense-masked reference."""
   res = report["results"]
+  if "xla_blockwise" in outputs and "xla_dense" in outputs:
+    diff = outputs["xla_blockwise"].astype(jnp.float32) - outputs["xla_dense"].astype(jnp.float32)
+    report["max_abs_diff_blockwise_vs_xla"] = float(jnp.max(jnp.abs(diff)))
   pallas = [n for n in res if n.startswith("pallas") and "fwd_ms" in res[n]]
   if not pallas:
     return
   best = min(pallas, key=lambda n: res[n]["fwd_bwd_ms"])
   report["best_pallas"] = best
-  for other in ("xla_dense", "sdpa_causal"):
+  for other in ("xla_dense", "xla_blockwise", "sdpa_causal"):
     if "fwd_ms" in res.get(other, {}):
       report[f"speedup_pallas_vs_{other}"] = {
         "fwd": res[other]["fwd_ms"] / res[best]["fwd_ms"],
@@ -204,6 +232,8 @@ def main(argv=None) -> dict:
       "fwd_tflops_dense_equiv": tflops(flops_fwd(dense_pairs), fwd_ms),
       "fwd_bwd_tflops_dense_equiv": tflops(3.5 * flops_fwd(dense_pairs), fwd_bwd_ms),
     }
+    if name == "sdpa_causal":
+      report["results"][name]["implementation"] = sdpa_implementation() or "xla"
 
   add_comparisons(report, outputs)
   print(json.dumps(report, indent=2))

@@ -114,7 +114,9 @@ def run_steps(config, setup, steps: int, warmup: int) -> dict:
   )
 
 
-def main(argv=None):
+def parse_args(argv=None):
+  """(options, the config with its ``--config.key=value`` overrides applied); the config errors
+  of ``configs_io`` on a bad file or override."""
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny_lca_mbp.py"))
   ap.add_argument("--steps", type=int, default=20)
@@ -129,10 +131,14 @@ def main(argv=None):
     help="bytes per group of the layout the useful FLOPs assume (1/bp_prior)",
   )
   args, rest = ap.parse_known_args(argv)
-
   config = configs_io.apply_overrides(
     configs_io.load_config(args.config), configs_io.split_overrides(rest)
   )
+  return args, config
+
+
+def main(argv=None):
+  args, config = parse_args(argv)
   # as lca-train: a CPU host split into mesh.cpu_devices devices (before any backend starts)
   shd.use_cpu_devices(shd.cpu_device_count(config.mesh))
   setup = loop.prepare(config)

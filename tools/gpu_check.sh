@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
-# One prepared check for a session that is lent a GPU: the Pallas kernels compiled by Triton
-# against the XLA reference, their speed (issue 5 targets), and the decode engine on the GPU.
-# Every part has its own timeout so the whole run fits one device call (~10 min at most).
+# One prepared check for a session that is lent a GPU (issue 15): the Pallas kernels compiled by
+# Triton against the XLA reference and their speed, the paper-scale train step (xla and pallas
+# attention), the paper-scale decode engine, and the decode and model tests, each part under
+# its own timeout and all of them inside one budget, so the whole run fits one device call.
 #
-# Run from the repository root on the GPU machine:
+# Run from the repository root on the GPU machine (device tool: timeout_s 600, carry .whl):
 #     bash tools/gpu_check.sh [WHEELS_DIR]
 # WHEELS_DIR (the argument, or the WHEELS_DIR environment variable; default ./wheels, or
 # ./.whl when only that exists) holds wheels of the packages of requirements.txt that the GPU
-# machine's Python lacks (README "GPU check" says how to download them); they are installed
-# into /tmp/site without network before anything runs. Without wheels the machine's own
-# packages are used. The decode benchmark also runs when workdirs/demo holds a trained
-# checkpoint. Results land in $OUT or /tmp/gpu_check.
+# machine's Python lacks (README "GPU check" says how to get them); they are installed into
+# /tmp/site without network before anything runs. Without wheels the machine's own packages
+# are used (the train benchmark then needs grain there). Results land in $OUT or
+# /tmp/gpu_check: one file per part (<part>.out / .err) and summary.txt (rc, seconds).
+#
+# Environment:
+#   GPU_CHECK_BUDGET_S  seconds for all parts together (default 540): a part gets at most
+#                       what is left; parts that no longer fit are listed as skipped
+#   PARTS               the parts to run, in order (default: all, most important first:
+#                       test_kernels bench_kernel bench_train_xla bench_train_pallas
+#                       bench_decode bench_decode_n6 test_decode test_model)
+#   GPU_CHECK_CPU=1     rehearsal on a CPU: the same commands at tiny sizes (test files are
+#                       collected, not run), so a session checks the script before it spends
+#                       GPU minutes
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -33,21 +44,90 @@ else
   export PYTHONPATH=$PWD
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-export JAX_PLATFORMS=cuda  # tests/conftest.py defaults to cpu
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
+ALL="test_kernels bench_kernel bench_train_xla bench_train_pallas bench_decode bench_decode_n6 test_decode test_model"
+PARTS=${PARTS:-$ALL}
+for p in $PARTS; do
+  case " $ALL " in *" $p "*) ;; *) echo "unknown part $p (one of: $ALL)" >&2; exit 2 ;; esac
+done
+
+# Sizes. The GPU ones are the issue's: kernels at B 8, T 4096, 8 heads of 128, bf16 (the
+# tool's defaults); the paper-scale config (configs/lca_mbp.py, bf16, T 4096) trained on the
+# bundled corpus, micro-batch 16 rows and 8 when 16 does not fit; decoding a random-weight
+# model of that config, batch 1 and 32.
+TRAIN_DATA=(--config.data.format=text --config.data.train_files= --config.data.eval_files=)
+if [ -n "${GPU_CHECK_CPU:-}" ]; then
+  export JAX_PLATFORMS=cpu
+  COLLECT=(--collect-only)
+  KERNEL=(--small)
+  TRAIN_CFG=configs/tiny_lca_mbp.py
+  TRAIN_STEPS=(--steps 2 --warmup 1 --config.train.progress_bar=False)
+  TRAIN_ROWS="4"
+  TRAIN_SEQ=128
+  DECODE=(--d-model 32 --d-inner 64 --n-heads 2 --layers 1,1,1,1 --prompt-bytes 16
+    --new-bytes 8 --naive-bytes 0 --repeats 1 --stream-mb 1)
+  DECODE_BATCH=1,2
+else
+  export JAX_PLATFORMS=cuda  # tests/conftest.py defaults to cpu
+  COLLECT=()
+  KERNEL=()
+  TRAIN_CFG=configs/lca_mbp.py
+  TRAIN_STEPS=(--steps 5 --warmup 2 --config.train.progress_bar=False)
+  TRAIN_ROWS="16 8"
+  TRAIN_SEQ=4096
+  DECODE=(--config configs/lca_mbp.py --new-bytes 256 --naive-bytes 0 --repeats 2)
+  DECODE_BATCH=1,32
+fi
 { nvidia-smi -L; python3 -c "import jax; print('jax', jax.__version__, jax.devices())"; } \
   > "$OUT/gpu.txt" 2>&1
 
-part() {  # name timeout_s command...: run one part, keep its output and exit status
+t_start=$SECONDS
+part() {  # name limit_s command...: run one part within what is left of the budget
   local name=$1 limit=$2; shift 2
+  local left=$((BUDGET - (SECONDS - t_start)))
+  if [ "$left" -lt 20 ]; then
+    echo "$name skipped (budget)" | tee -a "$OUT/summary.txt"
+    return 1
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
-  echo "$name rc=$?" | tee -a "$OUT/summary.txt"
+  local rc=$?
+  echo "$name rc=$rc ${limit}s-limit $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  return $rc
 }
-part test_kernels 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py
-part bench_kernel 180 python3 tools/bench_kernel.py
-if [ -d workdirs/demo ]; then
-  part bench_decode 200 python3 tools/bench_decode.py --checkpoint workdirs/demo --batch 1,8 --naive-bytes 32
-fi
-part test_decode 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_decode.py
+
+train() {  # name impl: the paper-scale train step, the largest of TRAIN_ROWS micro-batches that runs
+  local name=$1 impl=$2 rows
+  for rows in $TRAIN_ROWS; do
+    part "$name" 150 python3 tools/bench_train.py --config "$TRAIN_CFG" "${TRAIN_STEPS[@]}" \
+      "${TRAIN_DATA[@]}" --config.model.attention_impl="$impl" \
+      --config.train.micro_batch_size="$rows" --config.train.global_batch_bytes=$((rows * TRAIN_SEQ)) \
+      && return 0
+    grep -qiE "RESOURCE_EXHAUSTED|out of memory" "$OUT/$name.err" || return 1
+    mv "$OUT/$name.err" "$OUT/$name.rows$rows.err"  # kept: what did not fit
+  done
+}
+
+for p in $PARTS; do
+  case $p in
+    test_kernels) part "$p" 120 python3 -m pytest -q -p no:cacheprovider "${COLLECT[@]}" \
+      tests/test_kernels.py tests/test_kernels_sharded.py ;;
+    bench_kernel) part "$p" 120 python3 tools/bench_kernel.py "${KERNEL[@]}" ;;
+    bench_train_xla) train "$p" xla ;;
+    bench_train_pallas) train "$p" pallas ;;
+    bench_decode) part "$p" 110 python3 tools/bench_decode.py "${DECODE[@]}" \
+      --batch "$DECODE_BATCH" --modes ntp,threshold_tau0,verify --n 3 ;;
+    bench_decode_n6) part "$p" 60 python3 tools/bench_decode.py "${DECODE[@]}" \
+      --batch 1 --modes ntp,threshold_tau0 --n 6 ;;
+    test_decode) part "$p" 120 python3 -m pytest -q -x -p no:cacheprovider "${COLLECT[@]}" \
+      tests/test_decode.py ;;
+    test_model) part "$p" 90 python3 -m pytest -q -x -p no:cacheprovider "${COLLECT[@]}" \
+      tests/test_model_parity.py tests/test_model_causality.py ;;
+  esac
+done
 cat "$OUT/gpu.txt" "$OUT/summary.txt"
-tail -n 3 "$OUT/test_kernels.out" "$OUT/test_decode.out"
-cat "$OUT/bench_kernel.out"
+for p in test_kernels test_decode test_model; do
+  [ -f "$OUT/$p.out" ] && tail -n 3 "$OUT/$p.out"
+done
+exit 0
