@@ -93,6 +93,22 @@ def test_decode_step_copies_no_cache(variant, mode, batch):
     assert "__ynn_fusion" not in text
 
 
+def test_step_stats_of_a_sampled_decode_read_the_decode_loop():
+  """Sampling splits its PRNG keys before the decode loop in a while loop of its own: the step
+  is still the decode loop's body (the same dots as greedy decoding, more ops for the draws)."""
+  cfg = ModelConfig(**TINY, n_mbp=2)
+  model = Model(cfg, jax.tree.map(np.asarray, init_params(cfg, jax.random.PRNGKey(0))))
+  kw = dict(mode="threshold", n=3, tau=0.5, max_bytes=50, ignore_eos=True)
+  stats = {
+    t: hlo_stats.step_stats(
+      engine.compiled_decode(model, [np.arange(3, 23)], temperature=t, **kw).as_text()
+    )
+    for t in (0.0, 0.9)
+  }
+  assert stats[0.9]["dots"] == stats[0.0]["dots"] > 0, stats
+  assert stats[0.9]["ops"] > stats[0.0]["ops"], stats
+
+
 @pytest.mark.parametrize("mode,stacks", [("ntp", 3), ("threshold", 5)])
 def test_decode_step_fuses_projections_without_copying_weights(mode, stacks):
   """With the fused decode kernels (``layers.fuse_decode_params``, the default), each layer a

@@ -72,10 +72,12 @@ def _called(instr: str, into_fusions: bool = False) -> List[str]:
 
 
 def decode_loop_body(hlo_text: str) -> str:
-  """Name of the body of the decode loop: the first while reached from the entry computation
-  (through calls; prefill loops live inside fusions or nested bodies, not before it)."""
+  """Name of the body of the decode loop: of the while loops reached from the entry computation
+  (through calls; loops nested in another loop's body are not candidates), the one whose body
+  runs the most instructions. Not simply the first: a sampled decode splits its PRNG keys
+  before the loop, in a small while loop of its own (threefry)."""
   comps = computations(hlo_text)
-  todo, seen = ["ENTRY"], set()
+  todo, seen, bodies = ["ENTRY"], set(), []
   while todo:
     name = todo.pop(0)
     if name in seen:
@@ -83,17 +85,18 @@ def decode_loop_body(hlo_text: str) -> str:
     seen.add(name)
     for instr in comps.get(name, []):
       if op_name(instr) == "while":
-        return re.search(r"\bbody=(%?[\w.\-]+)", instr).group(1)
+        bodies.append(re.search(r"\bbody=(%?[\w.\-]+)", instr).group(1))
       if op_name(instr) == "call":
         todo += _called(instr)
-  raise ValueError("no while loop reachable from the entry computation")
+  if not bodies:
+    raise ValueError("no while loop reachable from the entry computation")
+  return max(bodies, key=lambda body: sum(1 for _ in _instructions_under(comps, body)))
 
 
-def _step_instructions(hlo_text: str, into_fusions: bool = False):
-  """Instruction lines of one decode step: the loop body and every computation it calls, each
-  once (and the bodies of its fusions with ``into_fusions``)."""
-  comps = computations(hlo_text)
-  seen, todo = set(), [decode_loop_body(hlo_text)]
+def _instructions_under(comps, root: str, into_fusions: bool = False):
+  """Instruction lines of computation ``root`` and every computation it calls, each once (and
+  the bodies of its fusions with ``into_fusions``)."""
+  seen, todo = set(), [root]
   while todo:
     name = todo.pop()
     if name in seen or name not in comps:
@@ -102,6 +105,12 @@ def _step_instructions(hlo_text: str, into_fusions: bool = False):
     for instr in comps[name]:
       todo += _called(instr, into_fusions)
       yield instr
+
+
+def _step_instructions(hlo_text: str, into_fusions: bool = False):
+  """Instruction lines of one decode step: the loop body and every computation it calls, each
+  once (and the bodies of its fusions with ``into_fusions``)."""
+  yield from _instructions_under(computations(hlo_text), decode_loop_body(hlo_text), into_fusions)
 
 
 def result_dims(instr: str) -> tuple:
