@@ -11,6 +11,7 @@ from conftest import assert_close_rel
 
 from lca_jax.api import Model
 from lca_jax.decode import bounds, engine, hlo_stats
+from lca_jax.model import layers
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import init_params
 from lca_jax.model.layers import cached_attention, masked_attention, write_kv
@@ -18,8 +19,26 @@ from lca_jax.model.layers import cached_attention, masked_attention, write_kv
 TINY = dict(d_model=32, d_inner=64, n_heads=2, n_kv_heads=1, n_enc=1, n_lm=1, n_dec=1)
 
 
-@pytest.mark.parametrize("t,kv,groups", [(1, 2, 1), (3, 2, 2), (5, 1, 4)])
-def test_cached_attention_equals_masked_attention_on_written_cache(t, kv, groups):
+def _count_primitive(jaxpr, name: str) -> int:
+  """Equations of primitive ``name`` in ``jaxpr`` and the jaxprs it calls (each call counted)."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == name
+    for v in eqn.params.values():
+      sub = getattr(v, "jaxpr", None)
+      if sub is not None:
+        n += _count_primitive(getattr(sub, "jaxpr", sub), name)
+  return n
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+@pytest.mark.parametrize("t,kv,groups", [(1, 2, 1), (1, 2, 2), (3, 2, 2), (5, 1, 4)])
+def test_cached_attention_equals_masked_attention_on_written_cache(
+  t, kv, groups, unroll, monkeypatch
+):
+  """Both forms of the products over the cache: batched, and (grouped-query attention on CPU)
+  one matrix-vector product per row, kv head, query head and query."""
+  monkeypatch.setattr(layers, "UNROLL_CACHE_PRODUCTS", 10**6 if unroll else 0)
   rng = np.random.default_rng(t)
   b, e, s = 3, 8, 12
   f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
@@ -34,6 +53,13 @@ def test_cached_attention_equals_masked_attention_on_written_cache(t, kv, groups
   mask = mask.at[0].set(False)  # a row with no allowed key gives zeros
   start = jnp.array([0, s - t, 4])  # ragged starts, one at the very end
   out = cached_attention(q, kn, vn, (kc, vc), mask, start)
+  if jax.default_backend() == "cpu":
+    fresh = lambda *a: cached_attention(*a)  # not a function jax has traced (traces are cached)
+    n_dots = _count_primitive(
+      jax.make_jaxpr(fresh)(q, kn, vn, (kc, vc), mask, start).jaxpr, "dot_general"
+    )
+    unrolled = unroll and groups > 1
+    assert n_dots == (2 * b * kv * groups * t + 2 if unrolled else 4), n_dots
   k2, v2 = write_kv((kc, vc), (kn, vn), start)
   ref = masked_attention(q, k2, v2.transpose(0, 1, 3, 2), mask, head_major=True)
   assert_close_rel(out, ref, 1e-5)

@@ -197,6 +197,51 @@ def write_kv(cache, entries, write_B):
   return write_rows(k_c, entries[0], start, axis=1), write_rows(v_c, entries[1], start, axis=2)
 
 
+# On XLA:CPU the products over a cache run as one small GEMM per (row, kv head) whose columns are
+# that kv head's query heads x queries. With grouped-query attention (G > 1 query heads per kv
+# head) and a few columns, Eigen's GEMM costs ~2x what the same products cost as one
+# matrix-vector product per column (demo shape, [2 kv, 563, 32] x 2 query heads: 44 vs 20 us
+# per attention; at 12 columns, a 3-byte block, both ~46 us, and the unrolled step has 2.5x the
+# ops). Up to this many columns in all (rows x kv heads x G x queries), a CPU step runs them
+# as matrix-vector products: the demo model's ntp step 0.31 -> 0.19 ms (docs/design.md §6.5).
+# With G = 1 the batched product already is a batched matrix-vector one (and faster).
+UNROLL_CACHE_PRODUCTS = 8
+
+
+def _unroll_cache_products(b: int, kv: int, g: int, t: int) -> bool:
+  return jax.default_backend() == "cpu" and g > 1 and b * kv * g * t <= UNROLL_CACHE_PRODUCTS
+
+
+def _stacked(fn, shape):
+  """``fn(index)`` for every index of ``shape``, stacked into ``shape + fn's shape``."""
+  parts = [fn(idx) for idx in np.ndindex(*shape)]
+  return jnp.stack(parts).reshape(shape + parts[0].shape)
+
+
+def cache_scores(q_BTKGE, k_BKSE):
+  """q.K over a cache: [B, K, G, T, S] float32 (matrix-vector products where
+  ``_unroll_cache_products``)."""
+  b, t, kv, g, _ = q_BTKGE.shape
+  if not _unroll_cache_products(b, kv, g, t):
+    return jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKSE, preferred_element_type=jnp.float32)
+  dot = lambda i: jnp.dot(
+    k_BKSE[i[0], i[1]], q_BTKGE[i[0], i[3], i[1], i[2]], preferred_element_type=jnp.float32
+  )
+  return _stacked(dot, (b, kv, g, t))
+
+
+def cache_values(p_BKGTS, v_BKES):
+  """P.V over a cache: [B, T, K, G, E] float32 (matrix-vector products where
+  ``_unroll_cache_products``)."""
+  b, kv, g, t, _ = p_BKGTS.shape
+  if not _unroll_cache_products(b, kv, g, t):
+    return jnp.einsum("bkgts,bkes->btkge", p_BKGTS, v_BKES, preferred_element_type=jnp.float32)
+  dot = lambda i: jnp.dot(
+    v_BKES[i[0], i[2]], p_BKGTS[i[0], i[2], i[3], i[1]], preferred_element_type=jnp.float32
+  )
+  return _stacked(dot, (b, t, kv, g))
+
+
 def cached_attention(q_BTHE, k_BKTE, v_BKET, cache, mask_BTS, start_B):
   """Attention of T new queries over a KV cache (k [B, K, S, E], v transposed [B, K, E, S]) as
   it will be once the T new keys (``k_BKTE``) and values (``v_BKET``) are written at slots
@@ -218,13 +263,13 @@ def cached_attention(q_BTHE, k_BKTE, v_BKET, cache, mask_BTS, start_B):
   cols_BT = start_B[:, None] + jnp.arange(t)[None, :]
   new_mask_BTT = jnp.take_along_axis(mask_BTS, jnp.minimum(cols_BT, s - 1)[:, None, :], axis=2)
   old_mask_BTS = mask_BTS & ~fresh_BS[:, None, :]
-  sc_old = jnp.einsum("btkge,bkse->bkgts", q, cache[0], preferred_element_type=jnp.float32)
+  sc_old = cache_scores(q, cache[0])
   sc_new = jnp.einsum("btkge,bkne->bkgtn", q, k_BKTE, preferred_element_type=jnp.float32)
   m_all = jnp.concatenate([old_mask_BTS, new_mask_BTT], axis=-1)[:, None, None]
   sc = jnp.where(m_all, jnp.concatenate([sc_old, sc_new], axis=-1) * inv, NEG_INF)
   probs = jnp.where(m_all, jax.nn.softmax(sc, axis=-1), 0.0)
   p_old, p_new = probs[..., :s].astype(cache[1].dtype), probs[..., s:].astype(v_BKET.dtype)
-  out = jnp.einsum("bkgts,bkes->btkge", p_old, cache[1], preferred_element_type=jnp.float32)
+  out = cache_values(p_old, cache[1])
   out = out + jnp.einsum("bkgtn,bken->btkge", p_new, v_BKET, preferred_element_type=jnp.float32)
   return out.reshape(b, t, h, e).astype(q_BTHE.dtype)
 
