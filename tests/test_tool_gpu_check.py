@@ -87,7 +87,8 @@ PARTS = [
   "bench_kernel",
   "bench_train_xla",
   "bench_train_pallas",
-  "bench_decode",
+  "bench_decode_b1",
+  "bench_decode_b32",
   "bench_decode_n6",
   "test_decode",
   "test_model",
@@ -144,6 +145,7 @@ def test_rehearsal(tmp_path, monkeypatch):
     ("bench_train", "configs/lca_mbp.py"),
     ("bench_decode", "configs/lca_mbp.py"),
     ("bench_decode", "configs/lca_mbp.py"),
+    ("bench_decode", "configs/lca_mbp.py"),
     ("tests/test_decode.py",),
     ("tests/test_model_parity.py", "tests/test_model_causality.py"),
   ]
@@ -152,14 +154,20 @@ def test_rehearsal(tmp_path, monkeypatch):
   train = calls[4][3]
   assert "--config.train.micro_batch_size=16" in train
   assert "--config.train.global_batch_bytes=65536" in train
+  decode = [c[3] for c in calls[2:] if c[3][0] == "tools/bench_decode.py"]
+  assert [(a[a.index("--batch") + 1], a[a.index("--n") + 1]) for a in decode] == [
+    ("1", "3"),
+    ("32", "3"),
+    ("1", "6"),
+  ]
 
 
 def test_parts_and_budget(tmp_path):
   """PARTS picks parts in the order given; a part that no longer fits the budget is skipped
   and listed; an unknown part is refused with exit status 2 before anything runs."""
-  proc, calls, out = _rehearse(tmp_path, env={"PARTS": "bench_decode test_kernels"})
+  proc, calls, out = _rehearse(tmp_path, env={"PARTS": "bench_decode_b32 test_kernels"})
   assert proc.returncode == 0, proc.stderr
-  assert list(_summary(out)) == ["bench_decode", "test_kernels"]
+  assert list(_summary(out)) == ["bench_decode_b32", "test_kernels"]
   proc, calls, out = _rehearse(tmp_path / "b", env={"GPU_CHECK_BUDGET_S": "5"})
   assert proc.returncode == 0, proc.stderr
   assert set(_summary(out).values()) == {"skipped"} and list(_summary(out)) == PARTS

@@ -18,7 +18,9 @@
 #                       what is left; parts that no longer fit are listed as skipped
 #   PARTS               the parts to run, in order (default: all, most important first:
 #                       test_kernels bench_kernel bench_train_xla bench_train_pallas
-#                       bench_decode bench_decode_n6 test_decode test_model)
+#                       bench_decode_b1 bench_decode_b32 bench_decode_n6 test_decode
+#                       test_model); a part's JSON is printed when it ends, so each decode
+#                       batch size is a part of its own (a timeout loses one, not all)
 #   GPU_CHECK_CPU=1     rehearsal on a CPU: the same commands at tiny sizes (test files are
 #                       collected, not run), so a session checks the script before it spends
 #                       GPU minutes
@@ -45,7 +47,8 @@ else
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
-ALL="test_kernels bench_kernel bench_train_xla bench_train_pallas bench_decode bench_decode_n6 test_decode test_model"
+ALL="test_kernels bench_kernel bench_train_xla bench_train_pallas bench_decode_b1 bench_decode_b32"
+ALL="$ALL bench_decode_n6 test_decode test_model"
 PARTS=${PARTS:-$ALL}
 for p in $PARTS; do
   case " $ALL " in *" $p "*) ;; *) echo "unknown part $p (one of: $ALL)" >&2; exit 2 ;; esac
@@ -66,7 +69,7 @@ if [ -n "${GPU_CHECK_CPU:-}" ]; then
   TRAIN_SEQ=128
   DECODE=(--d-model 32 --d-inner 64 --n-heads 2 --layers 1,1,1,1 --prompt-bytes 16
     --new-bytes 8 --naive-bytes 0 --repeats 1 --stream-mb 1)
-  DECODE_BATCH=1,2
+  DECODE_BATCH=2
 else
   export JAX_PLATFORMS=cuda  # tests/conftest.py defaults to cpu
   COLLECT=()
@@ -76,7 +79,7 @@ else
   TRAIN_ROWS="16 8"
   TRAIN_SEQ=4096
   DECODE=(--config configs/lca_mbp.py --new-bytes 256 --naive-bytes 0 --repeats 2)
-  DECODE_BATCH=1,32
+  DECODE_BATCH=32
 fi
 { nvidia-smi -L; python3 -c "import jax; print('jax', jax.__version__, jax.devices())"; } \
   > "$OUT/gpu.txt" 2>&1
@@ -116,7 +119,9 @@ for p in $PARTS; do
     bench_kernel) part "$p" 120 python3 tools/bench_kernel.py "${KERNEL[@]}" ;;
     bench_train_xla) train "$p" xla ;;
     bench_train_pallas) train "$p" pallas ;;
-    bench_decode) part "$p" 110 python3 tools/bench_decode.py "${DECODE[@]}" \
+    bench_decode_b1) part "$p" 90 python3 tools/bench_decode.py "${DECODE[@]}" \
+      --batch 1 --modes ntp,threshold_tau0,verify --n 3 ;;
+    bench_decode_b32) part "$p" 90 python3 tools/bench_decode.py "${DECODE[@]}" \
       --batch "$DECODE_BATCH" --modes ntp,threshold_tau0,verify --n 3 ;;
     bench_decode_n6) part "$p" 60 python3 tools/bench_decode.py "${DECODE[@]}" \
       --batch 1 --modes ntp,threshold_tau0 --n 6 ;;
