@@ -212,10 +212,14 @@ def _unroll_cache_products(b: int, kv: int, g: int, t: int) -> bool:
   return jax.default_backend() == "cpu" and g > 1 and b * kv * g * t <= UNROLL_CACHE_PRODUCTS
 
 
-def _stacked(fn, shape):
-  """``fn(index)`` for every index of ``shape``, stacked into ``shape + fn's shape``."""
-  parts = [fn(idx) for idx in np.ndindex(*shape)]
-  return jnp.stack(parts).reshape(shape + parts[0].shape)
+def _unrolled_matvecs(cache_BKMN, vecs_BKGTN):
+  """``cache[b, k] @ vecs[b, k, g, t]`` as one matrix-vector product per row b, kv head k,
+  query head g and query t: [B, K, G, T, M] float32."""
+  parts = [
+    jnp.dot(cache_BKMN[i[:2]], vecs_BKGTN[i], preferred_element_type=jnp.float32)
+    for i in np.ndindex(*vecs_BKGTN.shape[:4])
+  ]
+  return jnp.stack(parts).reshape(vecs_BKGTN.shape[:4] + parts[0].shape)
 
 
 def cache_scores(q_BTKGE, k_BKSE):
@@ -224,10 +228,7 @@ def cache_scores(q_BTKGE, k_BKSE):
   b, t, kv, g, _ = q_BTKGE.shape
   if not _unroll_cache_products(b, kv, g, t):
     return jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKSE, preferred_element_type=jnp.float32)
-  dot = lambda i: jnp.dot(
-    k_BKSE[i[0], i[1]], q_BTKGE[i[0], i[3], i[1], i[2]], preferred_element_type=jnp.float32
-  )
-  return _stacked(dot, (b, kv, g, t))
+  return _unrolled_matvecs(k_BKSE, q_BTKGE.transpose(0, 2, 3, 1, 4))
 
 
 def cache_values(p_BKGTS, v_BKES):
@@ -236,10 +237,7 @@ def cache_values(p_BKGTS, v_BKES):
   b, kv, g, t, _ = p_BKGTS.shape
   if not _unroll_cache_products(b, kv, g, t):
     return jnp.einsum("bkgts,bkes->btkge", p_BKGTS, v_BKES, preferred_element_type=jnp.float32)
-  dot = lambda i: jnp.dot(
-    v_BKES[i[0], i[2]], p_BKGTS[i[0], i[2], i[3], i[1]], preferred_element_type=jnp.float32
-  )
-  return _stacked(dot, (b, t, kv, g))
+  return _unrolled_matvecs(v_BKES, p_BKGTS).transpose(0, 3, 1, 2, 4)
 
 
 def cached_attention(q_BTHE, k_BKTE, v_BKET, cache, mask_BTS, start_B):
