@@ -173,6 +173,22 @@ def test_decode_tiny():
   assert r["ratio"] == pytest.approx(ours["bytes_per_s"] / r["upstream"]["bytes_per_s"])
 
 
+def test_lca_decode_side_without_upstream(tmp_path):
+  """The lca_jax side of ``decode`` (converter round trip, timed ntp calls, bound) runs in every
+  CI, not only where a checkout of the paper's code is at hand."""
+  tool = _tool()
+  args = tool._parser().parse_args(["decode", "--upstream-src", "-"] + DECODE_TINY)
+  ((name, cfg),) = [(n, tool.decode_model_config(s)) for n, s in tool.parse_sizes(args.sizes)]
+  params = tool.bench_decode.init_params(cfg, tool.jax.random.PRNGKey(0))
+  tool.up_io.write_dir(str(tmp_path), tool.jax.tree_util.tree_map(tool.np.asarray, params), cfg)
+  model = tool.load_lca_dir(str(tmp_path), cfg)
+  prompt = tool.bench_decode.prompt_ids(args.prompt_bytes)
+  row = tool.lca_decode(model, prompt, args, stream_bps=1e10)
+  assert row["bytes"] == 8 and row["steps"] == 8, row  # ntp, ignore_eos: one byte per step
+  assert row["bytes_per_s"] > 0 and row["decode_bytes_per_s"] > 0 and row["prefill_s"] > 0
+  assert row["bound_ms_per_step"] > 0 and row["ms_per_step"] > 0, row
+
+
 def test_parse_sizes():
   tool = _tool()
   got = tool.parse_sizes("11m,d64:128:4:1,1,1,1,374m,d64:128:4:2:1,2,1,0")

@@ -816,7 +816,7 @@ def lca_decode(model, prompt, args, stream_bps: float):
     ignore_eos=True,
     seed=args.seed,
   )
-  t = bench_decode.timed_decode(model, [prompt], kw, args.repeats)
+  t = bench_decode.timed_decodes(model, [prompt], {"ntp": kw}, args.repeats)["ntp"]
   best = t["best"]
   length = bounds.cache_len([prompt.size], args.new_bytes, 1, model.cfg.max_seq_len)
   row = dict(
