@@ -31,14 +31,14 @@ def _count_primitive(jaxpr, name: str) -> int:
   return n
 
 
-@pytest.mark.parametrize("unroll", [False, True])
-@pytest.mark.parametrize("t,kv,groups", [(1, 2, 1), (1, 2, 2), (3, 2, 2), (5, 1, 4)])
+@pytest.mark.parametrize("matvec", [False, True])
+@pytest.mark.parametrize("t,kv,groups", [(1, 2, 1), (1, 2, 2), (3, 2, 1), (3, 2, 2), (5, 1, 4)])
 def test_cached_attention_equals_masked_attention_on_written_cache(
-  t, kv, groups, unroll, monkeypatch
+  t, kv, groups, matvec, monkeypatch
 ):
-  """Both forms of the products over the cache: batched, and (grouped-query attention on CPU)
-  one matrix-vector product per row, kv head, query head and query."""
-  monkeypatch.setattr(layers, "UNROLL_CACHE_PRODUCTS", 10**6 if unroll else 0)
+  """Both forms of the products over the cache: batched, and (on CPU, several columns per row
+  and kv head) one matrix-vector dot per query head and query, batched over rows and kv heads."""
+  monkeypatch.setattr(layers, "MATVEC_CACHE_COLUMNS", 10**6 if matvec else 0)
   rng = np.random.default_rng(t)
   b, e, s = 3, 8, 12
   f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
@@ -58,8 +58,8 @@ def test_cached_attention_equals_masked_attention_on_written_cache(
     n_dots = _count_primitive(
       jax.make_jaxpr(fresh)(q, kn, vn, (kc, vc), mask, start).jaxpr, "dot_general"
     )
-    unrolled = unroll and groups > 1
-    assert n_dots == (2 * b * kv * groups * t + 2 if unrolled else 4), n_dots
+    columns = groups * t
+    assert n_dots == (2 * columns + 2 if matvec and columns > 1 else 4), n_dots
   k2, v2 = write_kv((kc, vc), (kn, vn), start)
   ref = masked_attention(q, k2, v2.transpose(0, 1, 3, 2), mask, head_major=True)
   assert_close_rel(out, ref, 1e-5)

@@ -197,47 +197,56 @@ def write_kv(cache, entries, write_B):
   return write_rows(k_c, entries[0], start, axis=1), write_rows(v_c, entries[1], start, axis=2)
 
 
-# On XLA:CPU the products over a cache run as one small GEMM per (row, kv head) whose columns are
-# that kv head's query heads x queries. With grouped-query attention (G > 1 query heads per kv
-# head) and a few columns, Eigen's GEMM costs ~2x what the same products cost as one
-# matrix-vector product per column (demo shape, [2 kv, 563, 32] x 2 query heads: 44 vs 20 us
-# per attention; at 12 columns, a 3-byte block, both ~46 us, and the unrolled step has 2.5x the
-# ops). Up to this many columns in all (rows x kv heads x G x queries), a CPU step runs them
-# as matrix-vector products: the demo model's ntp step 0.31 -> 0.19 ms (docs/design.md §6.5).
-# With G = 1 the batched product already is a batched matrix-vector one (and faster).
-UNROLL_CACHE_PRODUCTS = 8
+# On XLA:CPU a product over a cache with several columns per (row, kv head) (its G query heads
+# x T queries) runs as one small Eigen GEMM per (row, kv head), which costs far more than the
+# same products as batched matrix-vector ones: one dot per column (g, t), batched over rows and
+# kv heads, each a matrix-vector product per (row, kv head) over the cache in place. Per
+# attention, 8 chained, prompt 256-512 slots (scratch, 2026-12-03, AVX-512 host): demo model
+# ntp [1 x 2 kv x 559 x 32], G 2, T 1: 60 us batched, 37 one dot per (row, kv head, column)
+# (the previous form: it slices the cache per kv head, a copy), 24 here; T 3: 78 / 76 / 52;
+# batch 4: 215 / 167 / 56; multi-head T 3 [1 x 4 x 387 x 64]: 150 batched, 50 here; batch 8 x 8
+# heads T 3: 4.9 / 2.6 ms. With one column (G 1, T 1) both forms are the same dot; at 8 columns
+# they tie (75 / 80 us, 89 / 135) and past 12 the GEMM wins (16: 215 / 190). So a CPU step runs
+# them as matrix-vector products up to this many columns per (row, kv head); accelerators keep
+# the batched product (docs/design.md §6.5).
+MATVEC_CACHE_COLUMNS = 8
 
 
-def _unroll_cache_products(b: int, kv: int, g: int, t: int) -> bool:
-  return jax.default_backend() == "cpu" and g > 1 and b * kv * g * t <= UNROLL_CACHE_PRODUCTS
+def _matvec_cache_products(g: int, t: int) -> bool:
+  return jax.default_backend() == "cpu" and 1 < g * t <= MATVEC_CACHE_COLUMNS
 
 
-def _unrolled_matvecs(cache_BKMN, vecs_BKGTN):
-  """``cache[b, k] @ vecs[b, k, g, t]`` as one matrix-vector product per row b, kv head k,
-  query head g and query t: [B, K, G, T, M] float32."""
-  parts = [
-    jnp.dot(cache_BKMN[i[:2]], vecs_BKGTN[i], preferred_element_type=jnp.float32)
-    for i in np.ndindex(*vecs_BKGTN.shape[:4])
+def _column_matvecs(cache_BKMN, vecs_BKGTN):
+  """``cache[b, k] @ vecs[b, k, g, t]`` as one dot per column (g, t), batched over rows and kv
+  heads (a matrix-vector product per (b, k) over the cache as stored): [B, K, G, T, M] float32."""
+  b, kv, g, t, _ = vecs_BKGTN.shape
+  dims = (((3,), (2,)), ((0, 1), (0, 1)))
+  cols = [
+    jax.lax.dot_general(
+      cache_BKMN, vecs_BKGTN[:, :, i, j], dims, preferred_element_type=jnp.float32
+    )
+    for i in range(g)
+    for j in range(t)
   ]
-  return jnp.stack(parts).reshape(vecs_BKGTN.shape[:4] + parts[0].shape)
+  return jnp.stack(cols, axis=2).reshape(b, kv, g, t, cache_BKMN.shape[2])
 
 
 def cache_scores(q_BTKGE, k_BKSE):
   """q.K over a cache: [B, K, G, T, S] float32 (matrix-vector products where
-  ``_unroll_cache_products``)."""
-  b, t, kv, g, _ = q_BTKGE.shape
-  if not _unroll_cache_products(b, kv, g, t):
+  ``_matvec_cache_products``)."""
+  _, t, _, g, _ = q_BTKGE.shape
+  if not _matvec_cache_products(g, t):
     return jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKSE, preferred_element_type=jnp.float32)
-  return _unrolled_matvecs(k_BKSE, q_BTKGE.transpose(0, 2, 3, 1, 4))
+  return _column_matvecs(k_BKSE, q_BTKGE.transpose(0, 2, 3, 1, 4))
 
 
 def cache_values(p_BKGTS, v_BKES):
   """P.V over a cache: [B, T, K, G, E] float32 (matrix-vector products where
-  ``_unroll_cache_products``)."""
-  b, kv, g, t, _ = p_BKGTS.shape
-  if not _unroll_cache_products(b, kv, g, t):
+  ``_matvec_cache_products``)."""
+  _, _, g, t, _ = p_BKGTS.shape
+  if not _matvec_cache_products(g, t):
     return jnp.einsum("bkgts,bkes->btkge", p_BKGTS, v_BKES, preferred_element_type=jnp.float32)
-  return _unrolled_matvecs(v_BKES, p_BKGTS).transpose(0, 3, 1, 2, 4)
+  return _column_matvecs(v_BKES, p_BKGTS).transpose(0, 3, 1, 2, 4)
 
 
 def cached_attention(q_BTHE, k_BKTE, v_BKET, cache, mask_BTS, start_B):
