@@ -206,9 +206,10 @@ def write_kv(cache, entries, write_B):
 # (the previous form: it slices the cache per kv head, a copy), 24 here; T 3: 78 / 76 / 52;
 # batch 4: 215 / 167 / 56; multi-head T 3 [1 x 4 x 387 x 64]: 150 batched, 50 here; batch 8 x 8
 # heads T 3: 4.9 / 2.6 ms. With one column (G 1, T 1) both forms are the same dot; at 8 columns
-# they tie (75 / 80 us, 89 / 135) and past 12 the GEMM wins (16: 215 / 190). So a CPU step runs
-# them as matrix-vector products up to this many columns per (row, kv head); accelerators keep
-# the batched product (docs/design.md §6.5).
+# the matrix-vector form ties or wins (75 / 80 us, 89 / 135), at 16 the GEMM wins (215 / 190
+# us; the matrix-vector form first). So a CPU step runs them as matrix-vector products up to
+# this many columns per (row, kv head); accelerators keep the batched product (docs/design.md
+# §6.5).
 MATVEC_CACHE_COLUMNS = 8
 
 
