@@ -110,6 +110,7 @@ train() {  # name impl: the paper-scale train step, the largest of TRAIN_ROWS mi
     grep -qiE "RESOURCE_EXHAUSTED|out of memory" "$OUT/$name.err" || return 1
     mv "$OUT/$name.err" "$OUT/$name.rows$rows.err"  # kept: what did not fit
   done
+  return 1  # no micro-batch size fitted
 }
 
 for p in $PARTS; do
