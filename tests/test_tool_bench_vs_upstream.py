@@ -179,8 +179,7 @@ def test_lca_decode_side_without_upstream(tmp_path):
   tool = _tool()
   args = tool._parser().parse_args(["decode", "--upstream-src", "-"] + DECODE_TINY)
   ((name, cfg),) = [(n, tool.decode_model_config(s)) for n, s in tool.parse_sizes(args.sizes)]
-  params = tool.bench_decode.init_params(cfg, tool.jax.random.PRNGKey(0))
-  tool.up_io.write_dir(str(tmp_path), tool.jax.tree_util.tree_map(tool.np.asarray, params), cfg)
+  tool.write_random_dir(str(tmp_path), cfg, seed=0)
   model = tool.load_lca_dir(str(tmp_path), cfg)
   prompt = tool.bench_decode.prompt_ids(args.prompt_bytes)
   row = tool.lca_decode(model, prompt, args, stream_bps=1e10)

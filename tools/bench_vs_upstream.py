@@ -750,6 +750,13 @@ def load_upstream_dir(cls, path: str, device: str):
   return model.to(device=device, dtype=torch.float32).eval(), uc
 
 
+def write_random_dir(path: str, cfg, seed: int):
+  """Random lca_jax weights of ``cfg`` (``init_params``) written in the paper's checkpoint
+  layout at ``path``, for both sides to load."""
+  params = bench_decode.init_params(cfg, jax.random.PRNGKey(seed))
+  up_io.write_dir(path, jax.tree_util.tree_map(np.asarray, params), cfg)
+
+
 def load_lca_dir(path: str, cfg):
   """lca_jax's model of the same checkpoint directory: its weights through the converter
   (``interop.upstream.load_dir``), the embedding and head zero-padded to ``cfg.vocab_size`` rows
@@ -873,11 +880,7 @@ def run_decode(args) -> dict:
   for name, cfg in cfgs:
     with tempfile.TemporaryDirectory(prefix="bench_vs_upstream_") as ckpt:
       print(f"{PROG}: {name}: random weights -> {ckpt} ...", file=sys.stderr, flush=True)
-      params = jax.tree_util.tree_map(
-        np.asarray, bench_decode.init_params(cfg, jax.random.PRNGKey(args.seed))
-      )
-      up_io.write_dir(ckpt, params, cfg)
-      del params
+      write_random_dir(ckpt, cfg, args.seed)
       print(f"{PROG}: {name}: upstream ...", file=sys.stderr, flush=True)
       up_model, uc = load_upstream_dir(cls, ckpt, device)
       n_up = int(sum(p.numel() for p in up_model.parameters()))
