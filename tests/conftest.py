@@ -8,6 +8,28 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite's time is mostly XLA:CPU compiling small programs (a decode loop ~2.4 s, of which
+# LLVM's optimisation passes take half). These flags only change how LLVM optimises the machine
+# code: not the HLO (the fusions, copies and op counts the HLO tests read) and not float
+# semantics (fast math stays off, XLA's emitters fix the reduction order), so the tests check the
+# same programs and numbers in about half the compile time. Set on CPU runs only, inherited by
+# the CLI processes tests start; LCA_JAX_TEST_FULL_OPT=1 tests with XLA's default codegen.
+FAST_COMPILE_FLAGS = (
+  "--xla_backend_optimization_level=0",
+  "--xla_llvm_disable_expensive_passes=true",
+)
+_full_opt = os.environ.get("LCA_JAX_TEST_FULL_OPT", "0") not in ("", "0")
+if os.environ["JAX_PLATFORMS"] == "cpu" and not _full_opt:
+  _flags = os.environ["XLA_FLAGS"].split()
+  os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in FAST_COMPILE_FLAGS if f not in _flags])
+
+
+def child_xla_flags(devices: int) -> str:
+  """XLA_FLAGS for a CLI process a test starts: ``devices`` host devices, and this run's
+  compile flags."""
+  fast = [f for f in FAST_COMPILE_FLAGS if f in os.environ["XLA_FLAGS"].split()]
+  return " ".join([f"--xla_force_host_platform_device_count={devices}", *fast])
+
 
 import functools  # noqa: E402
 import gc  # noqa: E402

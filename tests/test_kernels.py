@@ -196,25 +196,10 @@ def test_reference_matches_brute_force(use_docs):
 # ----------------------------------------------------------------------------
 
 
-# Interpret-mode kernels are large XLA programs; LLVM optimisation only slows
-# their compilation down (2-3x) without mattering for these tiny shapes.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
 def f32_tolerance(tol: float, dtype) -> float:
   """A float32 case's tolerance: at least ``REL_TF32`` where the kernels are compiled (a GPU's
   float32 dots run at TF32)."""
   return tol if INTERPRET or jnp.dtype(dtype) != jnp.float32 else max(tol, REL_TF32)
-
-
-def compile_options():
-  """Compile options of the tests' kernel calls: ``_FAST_COMPILE`` in interpret mode (CPU)."""
-  return _FAST_COMPILE if INTERPRET else None
-
-
-def run_fast(fn, *args):
-  """``jax.jit(fn)(*args)`` compiled with ``_FAST_COMPILE`` (on CPU)."""
-  return jax.jit(fn).lower(*args).compile(compile_options())(*args)
 
 
 def out_and_grads(q, k, v, w, seg, doc, impl, block_q, block_k):
@@ -250,8 +235,9 @@ def test_pallas_matches_reference(name):
   q, k, v = random_qkv(rng, 4, T, H, KV, D, dtype)
   w = jnp.asarray(rng.standard_normal((4, T, H, D)), jnp.float32)
 
-  run = lambda impl: run_fast(
-    functools.partial(out_and_grads, impl=impl, block_q=block_q, block_k=block_k),
+  run = lambda impl: jax.jit(
+    functools.partial(out_and_grads, impl=impl, block_q=block_q, block_k=block_k)
+  )(
     q,
     k,
     v,
@@ -276,11 +262,11 @@ def test_pallas_pads_head_dim():
   rng = np.random.default_rng(4)
   seg, doc = scenario_rows(rng, 32)
   q, k, v = random_qkv(rng, 4, 32, 2, 1, 24, jnp.float32)
-  ref = run_fast(lca_attention_reference, q, k, v, seg, doc)
+  ref = jax.jit(lca_attention_reference)(q, k, v, seg, doc)
   pallas = functools.partial(
     lca_attention, impl="pallas", interpret=INTERPRET, block_q=16, block_k=16
   )
-  out = run_fast(lambda q, k, v, seg, doc: pallas(q, k, v, seg, doc_ids=doc), q, k, v, seg, doc)
+  out = jax.jit(lambda q, k, v, seg, doc: pallas(q, k, v, seg, doc_ids=doc))(q, k, v, seg, doc)
   assert_close_rel(out, ref, f32_tolerance(REL_REORDER, q.dtype))
 
 

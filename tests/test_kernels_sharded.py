@@ -23,7 +23,6 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 from test_kernels import (  # noqa: E402
   INTERPRET,
-  compile_options,
   f32_tolerance,
   random_qkv,
   scenario_rows,
@@ -141,7 +140,7 @@ def test_sharded_pallas_matches_reference(name):
   with jax.set_mesh(mesh):
     fn = jax.jit(functools.partial(out_and_grads, impl="pallas"))
     assert "shard_map" in str(jax.make_jaxpr(fn)(*placed))
-    out, grads = fn.lower(*placed).compile(compile_options())(*placed)
+    out, grads = fn(*placed)
   assert out.sharding.is_equivalent_to(placed[0].sharding, 4)  # laid out like q
 
   assert out.shape == q.shape and out.dtype == q.dtype
@@ -177,7 +176,7 @@ def test_sharded_kernel_gathers_nothing():
   with jax.set_mesh(mesh):
     for shard in (True, False):
       fn = jax.jit(functools.partial(out_and_grads, impl="pallas", shard=shard))
-      hlo[shard] = fn.lower(*specs).compile(compile_options()).as_text()
+      hlo[shard] = fn.lower(*specs).compile().as_text()
   # The control: left to XLA, the kernel call gathers q, k, v over the batch axes.
   assert batch_gathers(hlo[False]), "the check found no gather even without shard_map"
   assert not batch_gathers(hlo[True]), batch_gathers(hlo[True])
