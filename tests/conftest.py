@@ -8,29 +8,16 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The suite's time is mostly XLA:CPU compiling small programs (a decode loop ~2.4 s, of which
-# LLVM's optimisation passes take half). These flags only change how LLVM optimises the machine
-# code, not the HLO (the fusions, copies and op counts the HLO tests read); float results move
-# at rounding level only (logits of a random and of the demo model within 9e-7 of their scale,
-# greedy decodes identical: far inside REL_REORDER), and compile time halves. Set on CPU runs
-# only, inherited by the CLI processes tests start; LCA_JAX_TEST_FULL_OPT=1 tests with XLA's
-# default codegen.
-FAST_COMPILE_FLAGS = (
-  "--xla_backend_optimization_level=0",
-  "--xla_llvm_disable_expensive_passes=true",
-)
-_full_opt = os.environ.get("LCA_JAX_TEST_FULL_OPT", "0") not in ("", "0")
-if os.environ["JAX_PLATFORMS"] == "cpu" and not _full_opt:
-  _flags = os.environ["XLA_FLAGS"].split()
-  os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in FAST_COMPILE_FLAGS if f not in _flags])
-
-
-def child_xla_flags(devices: int) -> str:
-  """XLA_FLAGS for a CLI process a test starts: ``devices`` host devices, and this run's
-  compile flags."""
-  fast = [f for f in FAST_COMPILE_FLAGS if f in os.environ["XLA_FLAGS"].split()]
-  return " ".join([f"--xla_force_host_platform_device_count={devices}", *fast])
-
+# The suite's time is mostly XLA compiling small programs (a decode loop ~2.4 s on CPU, of
+# which LLVM's optimisation passes take half). jax's "most optimizations off" (XLA backend
+# optimisation level 0, LLVM's expensive passes off) changes only how the machine code is
+# optimised, not the HLO (the fusions, copies and op counts the HLO tests read); float results
+# move at rounding level only (logits of a random and of the demo model within 9e-7 of their
+# scale, greedy decodes identical: far inside REL_REORDER), and compile time halves. Set through
+# the environment, so the CLI processes tests start inherit it; LCA_JAX_TEST_FULL_OPT=1 tests
+# with XLA's default optimisation.
+if os.environ.get("LCA_JAX_TEST_FULL_OPT", "0") in ("", "0"):
+  os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import functools  # noqa: E402
 import gc  # noqa: E402
@@ -225,20 +212,6 @@ def segmented_layout(lengths, total: int):
     at += n
   assert at <= total
   return doc, pos
-
-
-@pytest.fixture(scope="module")
-def fast_compile():
-  """Compile with most XLA optimizations off (module scope, restored afterwards).
-
-  The model tests are dominated by compile time on a 2-core CPU (3-5x faster this way) and run
-  tiny shapes, so execution speed does not matter. Use with
-  ``pytestmark = pytest.mark.usefixtures("fast_compile")``.
-  """
-  old = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", old)
 
 
 @pytest.fixture(autouse=True, scope="module")

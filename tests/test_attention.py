@@ -24,8 +24,6 @@ from lca_jax.model.layers import masked_attention
 from lca_jax.model.loss import compute_loss
 from lca_jax.train import costs
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 REL = 1e-5
 
 

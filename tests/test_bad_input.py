@@ -38,8 +38,6 @@ from lca_jax.interop import convert, safetensors_io, upstream  # noqa: E402
 from lca_jax.model.config import ModelConfig  # noqa: E402
 from lca_jax.train import run_config  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 TINY_CONFIG = os.path.join(ROOT, "configs", "tiny_lca_mbp.py")
 CTX = 64  # max_seq_len of the tiny checkpoint
 

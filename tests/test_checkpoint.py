@@ -25,8 +25,6 @@ from lca_jax.train import (
 )
 from lca_jax.train.errors import TrainError  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 # Shared with tests/test_train.py (conftest.TRAIN_TINY): both files share one compiled step.
 TINY = TRAIN_TINY
 
@@ -37,9 +35,8 @@ def tiny_config(*overrides):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory, fast_compile):
+def saved(tmp_path_factory):
   """2 steps on 8 devices (mesh data=8), checkpointed at step 2."""
-  del fast_compile
   wd = str(tmp_path_factory.mktemp("saved"))
   res = loop.train_and_evaluate(tiny_config("train.steps=2", "mesh.data=8"), wd)
   return dict(

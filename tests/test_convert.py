@@ -39,8 +39,6 @@ from lca_jax.api import Model  # noqa: E402
 from lca_jax.cli import convert as cli  # noqa: E402
 from lca_jax.interop import convert, safetensors_io, upstream  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 # TINY_DIMS: d 32, 2 heads / 1 kv head (GQA), vocab_size 384 padding n_tokens 261.
 NAMES = list(VARIANTS)
 

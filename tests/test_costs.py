@@ -12,8 +12,6 @@ from lca_jax.model.config import ConfigError
 from lca_jax.train import costs
 from lca_jax.train.state import abstract_params
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 def _n(tree):
   return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))

@@ -21,7 +21,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CONFIG = os.path.join(ROOT, "configs", "demo.py")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
 
 # configs/demo.py shrunk to seconds: one stage layer each, 32-byte rows, 4 steps, a 2-batch eval
 SHRINK = TINY_SHAPE + [

@@ -43,9 +43,7 @@ def _child_main(argv) -> int:
   index S, wait until checkpoint C is committed (its directory exists), then limit file
   sizes to B bytes."""
   spec = json.loads(os.environ.get("LCA_TEST_DISK_FULL", "{}"))
-  import jax  # pylint: disable=g-import-not-at-top
 
-  jax.config.update("jax_disable_most_optimizations", True)  # as the tests' fast_compile
   from lca_jax.cli import train as cli  # pylint: disable=g-import-not-at-top
   from lca_jax.train import loop  # pylint: disable=g-import-not-at-top
 
@@ -126,7 +124,7 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--child":
 
 # ---- the tests -----------------------------------------------------------------------------
 import pytest  # noqa: E402
-from conftest import TRAIN_TINY, child_xla_flags  # noqa: E402
+from conftest import TRAIN_TINY  # noqa: E402
 
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from lca_jax.train import manifest  # noqa: E402
@@ -138,7 +136,7 @@ def _env(spec=None) -> dict:
   env = dict(
     os.environ,
     JAX_PLATFORMS="cpu",
-    XLA_FLAGS=child_xla_flags(8),
+    XLA_FLAGS="--xla_force_host_platform_device_count=8",
     PYTHONPATH=ROOT,
     LCA_TEST_DISK_FULL=json.dumps(spec or {}),
   )

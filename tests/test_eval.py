@@ -23,8 +23,6 @@ from lca_jax.decode import policies
 from lca_jax.decode.engine import DecodeError, GenerateResult
 from lca_jax.eval import bpb, ifeval, metrics, plots, sweep, tasks
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 SUMM = [
   {
     "article": "The small cat sat on the warm mat all day long while the rain fell.",

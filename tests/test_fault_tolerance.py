@@ -45,8 +45,6 @@ from lca_jax.train import (
   workdir_lock,  # noqa: E402
 )
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 STEPS = 6  # checkpoints at 2, 4, 6 (train.checkpoint_every=2, keep 3)
 MULTI = os.path.join(ROOT, "launch", "multiprocess.sh")
 
@@ -57,9 +55,8 @@ def tiny_config(*overrides):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, fast_compile):
+def straight(tmp_path_factory):
   """STEPS steps in one run, checkpoints 2, 4, 6 (8 devices, this process)."""
-  del fast_compile
   wd = str(tmp_path_factory.mktemp("straight"))
   res = loop.train_and_evaluate(tiny_config(f"train.steps={STEPS}"), wd)
   assert ckpt_lib.Checkpointer(wd, read_only=True).all_steps() == [2, 4, 6]

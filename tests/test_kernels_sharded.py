@@ -184,8 +184,7 @@ def test_sharded_kernel_gathers_nothing():
 
 
 # ---- sharded train step: pallas == xla -----------------------------------------------------
-def test_sharded_train_step_pallas_matches_xla(fast_compile):
-  del fast_compile
+def test_sharded_train_step_pallas_matches_xla():
   from conftest import host_params  # pylint: disable=g-import-not-at-top
   from test_train import _batches, tiny_config  # pylint: disable=g-import-not-at-top
 

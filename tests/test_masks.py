@@ -14,8 +14,6 @@ import pytest
 
 from lca_jax.model import masks
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 B, T = 4, 29
 
 

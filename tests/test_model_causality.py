@@ -26,8 +26,6 @@ from conftest import REL_REORDER, VARIANTS, random_ids, random_params, segmented
 
 from lca_jax.model.hierarchical import ByteLM
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 T = 32
 SEG_LENGTHS = (12, 10, 6)  # doc 1: 0..11, doc 2: 12..21, doc 3: 22..27, padding 28..31
 CONCAT_JS = (0, 1, 6, 13, 20, 27, 30, 31)

@@ -24,8 +24,6 @@ from conftest import (
 from lca_jax.model.hierarchical import ByteLM
 from lca_jax.model.loss import compute_loss
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 T = 32
 PRETRAIN = (1.0, 1.0, 10.0)
 NO_BP = (1.0, 1.0, 0.0)  # boundary predictor reached only through the straight-through pooling

@@ -17,8 +17,6 @@ from conftest import REF_DIR, REF_NAMES, REL_IMPL, assert_close_rel
 
 import lca_jax
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 @functools.lru_cache(maxsize=None)
 def _model(name):

@@ -75,8 +75,6 @@ def _child_main(argv):
   spec = json.loads(os.environ.get("LCA_TEST_CHILD", "{}"))
   import jax  # pylint: disable=g-import-not-at-top
 
-  if os.environ.get("LCA_TEST_FAST_COMPILE"):
-    jax.config.update("jax_disable_most_optimizations", True)
   from lca_jax.cli import train as cli  # pylint: disable=g-import-not-at-top
   from lca_jax.train import loop  # pylint: disable=g-import-not-at-top
 
@@ -197,7 +195,6 @@ def child_env(devices: int, spec=None, **extra) -> dict:
     PYTHONPATH=ROOT,
     PYTHON=PY,
     PYTHONUNBUFFERED="1",
-    LCA_TEST_FAST_COMPILE="1",
     LCA_TRAIN=f"{PY} {THIS} --child",
     LCA_TEST_CHILD=json.dumps(spec or {}),
   )
@@ -594,7 +591,6 @@ def _reference(steps):
   return losses, jax.device_get(state.params)
 
 
-@pytest.mark.usefixtures("fast_compile")
 def test_two_processes_match_one_process_and_load(two_process_run):
   import jax  # pylint: disable=g-import-not-at-top
   from conftest import assert_close_rel  # pylint: disable=g-import-not-at-top
@@ -620,7 +616,6 @@ def test_two_processes_match_one_process_and_load(two_process_run):
     assert_close_rel(a, b)
 
 
-@pytest.mark.usefixtures("fast_compile")
 def test_resume_with_other_process_count_is_a_clear_error(two_process_run, tmp_path):
   """The data position is per process: resuming the 2-process run in 1 process is refused in
   one message (and no checkpoint is touched)."""

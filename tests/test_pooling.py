@@ -18,8 +18,6 @@ from conftest import assert_close_rel, segmented_layout
 
 from lca_jax.model import pooling
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 B, T, D = 3, 24, 5
 plan_latents = jax.jit(pooling.plan_latents, static_argnums=2)
 

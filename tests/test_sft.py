@@ -234,7 +234,6 @@ def test_malformed_lines_name_file_and_line(tmp_path):
 
 
 # ---- no loss and no gradient on prompt bytes ----------------------------------------------
-@pytest.mark.usefixtures("fast_compile")
 def test_prompt_bytes_get_no_loss_and_no_gradient(tmp_path):
   import jax
   import jax.numpy as jnp

@@ -62,8 +62,6 @@ RESULT_KEYS = {
 HLO_KEYS = {"ops", "dots", "fusions", "cache_copies", "cache_copy_bytes", "min_cache_bytes"}
 SHAPE = ["--d-model", "32", "--d-inner", "64", "--n-heads", "2", "--layers", "1,1,1,1"]
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 def _tool():
   return load_tool("bench_decode")

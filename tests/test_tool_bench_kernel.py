@@ -24,8 +24,6 @@ TIMES = {
   "fwd_bwd_tflops_dense_equiv",
 }
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 def _tool():
   return load_tool("bench_kernel")

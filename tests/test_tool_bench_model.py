@@ -6,7 +6,6 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest -q
 import json
 import os
 
-import pytest
 from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,8 +40,6 @@ RESULT_KEYS = {
   "compile_and_first_step_s",
   "loss",
 }
-
-pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _tool():

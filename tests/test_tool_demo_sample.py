@@ -9,14 +9,11 @@ fell back or failed.
 
 import os
 
-import pytest
 from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "demo_sample.py")
 TINY = ["--max-bytes", "8", "--n", "2", "--sentence", "The cat sat.", "--prompt", "A cat "]
-
-pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _tool():

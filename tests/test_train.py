@@ -29,8 +29,6 @@ from lca_jax.train import (
 from lca_jax.train import sharding as shd  # noqa: E402
 from lca_jax.train.errors import NonFiniteLossError  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 TINY = TRAIN_TINY
 N = 3  # exact-resume tests: 2N steps straight vs N + N
 
@@ -53,9 +51,8 @@ class Recorder:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, fast_compile):
+def straight(tmp_path_factory):
   """2N steps in one run (the reference for the resume tests)."""
-  del fast_compile
   wd = str(tmp_path_factory.mktemp("straight"))
   rec = Recorder()
   res = loop.train_and_evaluate(tiny_config(f"train.steps={2 * N}"), wd, on_step=rec)
