@@ -173,7 +173,8 @@ def free_port() -> int:
 
 def child_env(devices: int, spec=None, **extra) -> dict:
   """Environment of a child process: CPU with ``devices`` fake devices, the test XLA cache,
-  most optimizations off (fast compiles), LCA_TRAIN = this file's child driver."""
+  most optimizations off (JAX_DISABLE_MOST_OPTIMIZATIONS, inherited from conftest.py),
+  LCA_TRAIN = this file's child driver."""
   env = dict(os.environ)
   for k in (
     "JAX_COORDINATOR_ADDRESS",
