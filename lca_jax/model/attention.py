@@ -100,11 +100,18 @@ def tiles_visited(lo_BT: jax.Array, block_q: int, block_k: int) -> jax.Array:
 
 class _Blocks(NamedTuple):
   """Inputs laid out head-major for the loops: queries by block, keys padded by one tile so no
-  tile is clamped at the end."""
+  tile is clamped at the end, and the keys once more transposed ([B,K,E,S]).
+
+  Every tile product is then a plain [M, C] x [C, N] product of row-major operands, the only
+  form XLA:CPU's matmul library (YNNPACK) takes without a transposing copy: the forward's
+  scores are q [G Q, E] x kT [E, S]; the backward works on key-major tiles [S, G Q] (see
+  ``_backward``). With query-major tiles and untransposed keys the step copied a transposed
+  [S, E] or [S, G Q] operand before each of three products of every tile."""
 
   q_NBKGQE: jax.Array
   lo_NBQ: jax.Array
   k_BKSE: jax.Array
+  kT_BKES: jax.Array
   v_BKSE: jax.Array
   sched: Schedule
 
@@ -128,28 +135,26 @@ def _layout(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k) -> _Blocks:
   n = -(-t // block_q)
   lo = _pad_lo(lo_BT, n * block_q)
   kpad = lambda x: jnp.pad(x, ((0, 0), (0, block_k), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  k_BKSE = kpad(k_BTKE)
   return _Blocks(
     _to_blocks(q_BTHE, kv, block_q),
     lo.reshape(b, n, block_q).transpose(1, 0, 2),
-    kpad(k_BTKE),
+    k_BKSE,
+    jnp.swapaxes(k_BKSE, 2, 3),
     kpad(v_BTKE),
     schedule(lo_BT, block_q, block_k),
   )
 
 
-def _tile(blocks: _Blocks, n, tile, q_BKGQE, lo_BQ, block_q, block_k, scale):
-  """Scaled scores [B,K,G,Q,S] (float32) of query block ``n`` against key tile ``tile``, the
-  tile's mask, its keys/values [B,K,S,E] and its first key index."""
-  s0 = blocks.sched.start_N[n] + tile * block_k
-  k_t = lax.dynamic_slice_in_dim(blocks.k_BKSE, s0, block_k, axis=2)
-  v_t = lax.dynamic_slice_in_dim(blocks.v_BKSE, s0, block_k, axis=2)
+def _tile_mask_BSQ(s0, n, lo_BQ, block_q, block_k):
+  """[B,S,Q]: which keys of the tile starting at ``s0`` each query of block ``n`` sees."""
   kpos_S = s0 + jnp.arange(block_k, dtype=jnp.int32)
   qpos_Q = n * block_q + jnp.arange(block_q, dtype=jnp.int32)
-  mask_BQS = (kpos_S[None, None, :] >= lo_BQ[:, :, None]) & (
-    kpos_S[None, None, :] <= qpos_Q[None, :, None]
-  )
-  s = jnp.einsum("bkgqe,bkse->bkgqs", q_BKGQE, k_t, preferred_element_type=jnp.float32)
-  return s * scale, mask_BQS[:, None, None], k_t, v_t, s0
+  return (kpos_S[None, :, None] >= lo_BQ[:, None, :]) & (kpos_S[None, :, None] <= qpos_Q)
+
+
+def _tile_start(blocks: _Blocks, n, tile, block_k):
+  return blocks.sched.start_N[n] + tile * block_k
 
 
 def _forward(blocks: _Blocks, t, block_q, block_k, scale):
@@ -161,9 +166,14 @@ def _forward(blocks: _Blocks, t, block_q, block_k, scale):
 
     def body(tile, carry, masked=True):
       m, l, acc = carry
-      s, mask, _, v_t, _ = _tile(blocks, n, tile, q_n, lo_n, block_q, block_k, scale)
+      s0 = _tile_start(blocks, n, tile, block_k)
+      kT_t = lax.dynamic_slice_in_dim(blocks.kT_BKES, s0, block_k, axis=3)
+      v_t = lax.dynamic_slice_in_dim(blocks.v_BKSE, s0, block_k, axis=2)
+      s = jnp.einsum("bkgqe,bkes->bkgqs", q_n, kT_t, preferred_element_type=jnp.float32)
+      s = s * scale
       if masked:
-        s = jnp.where(mask, s, NEG_INF)
+        mask_BQS = jnp.swapaxes(_tile_mask_BSQ(s0, n, lo_n, block_q, block_k), 1, 2)
+        s = jnp.where(mask_BQS[:, None, None], s, NEG_INF)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1))
       # A row with no key so far keeps m = NEG_INF; subtracting 0 there makes its masked
       # scores exp(NEG_INF) = 0 without a second select over the tile.
@@ -194,41 +204,53 @@ def _forward(blocks: _Blocks, t, block_q, block_k, scale):
 
 
 def _backward(blocks: _Blocks, out_BTHE, lse, do_BTHE, block_q, block_k, scale):
-  """(dq, dk, dv) from the forward's layout (saved, not rebuilt), output and log-sum-exp."""
+  """(dq, dk, dv) from the forward's layout (saved, not rebuilt), output and log-sum-exp.
+
+  Tiles are key-major, [B,K,S,G,Q] (S keys by the block's G Q query rows): scores
+  k [S,E] x qT [E,G Q], dv = p [S,G Q] x do [G Q,E], dk = ds x q, and dq is accumulated
+  transposed, dqT [E,G Q] += kT [E,S] x ds [S,G Q], and transposed back once per block. The
+  transposed queries and output gradients are laid out once per call."""
   t = out_BTHE.shape[1]
   kv = blocks.k_BKSE.shape[1]
   dtype = blocks.q_NBKGQE.dtype
   do_NBKGQE = _to_blocks(do_BTHE.astype(dtype), kv, block_q)
+  to_t = lambda x: x.transpose(0, 1, 2, 5, 3, 4)  # [N,B,K,G,Q,E] -> [N,B,K,E,G,Q]
+  qT_NBKEGQ, doT_NBKEGQ = to_t(blocks.q_NBKGQE), to_t(do_NBKGQE)
   delta = jnp.sum(out_BTHE.astype(jnp.float32) * do_BTHE.astype(jnp.float32), axis=-1)
   delta_NBKGQ = _to_blocks(delta[..., None], kv, block_q)[..., 0]
 
   def per_block(carry, n):
     q_n, lo_n, do_n = blocks.q_NBKGQE[n], blocks.lo_NBQ[n], do_NBKGQE[n]
-    lse_n, delta_n = lse[n], delta_NBKGQ[n]
+    qT_n, doT_n = qT_NBKEGQ[n], doT_NBKEGQ[n]
+    lse_n, delta_n = lse[n][:, :, None], delta_NBKGQ[n][:, :, None]  # [B,K,1,G,Q]
 
     def body(tile, c, masked=True):
-      dq, dk, dv = c
-      s, mask, k_t, v_t, s0 = _tile(blocks, n, tile, q_n, lo_n, block_q, block_k, scale)
-      p = jnp.exp(s - lse_n[..., None])
+      dqT, dk, dv = c
+      s0 = _tile_start(blocks, n, tile, block_k)
+      k_t = lax.dynamic_slice_in_dim(blocks.k_BKSE, s0, block_k, axis=2)
+      kT_t = lax.dynamic_slice_in_dim(blocks.kT_BKES, s0, block_k, axis=3)
+      v_t = lax.dynamic_slice_in_dim(blocks.v_BKSE, s0, block_k, axis=2)
+      s = jnp.einsum("bkse,bkegq->bksgq", k_t, qT_n, preferred_element_type=jnp.float32)
+      p = jnp.exp(s * scale - lse_n)
       if masked:
-        p = jnp.where(mask, p, 0.0)
+        p = jnp.where(_tile_mask_BSQ(s0, n, lo_n, block_q, block_k)[:, None, :, None], p, 0.0)
       dv_t = jnp.einsum(
-        "bkgqs,bkgqe->bkse", p.astype(do_n.dtype), do_n, preferred_element_type=jnp.float32
+        "bksgq,bkgqe->bkse", p.astype(do_n.dtype), do_n, preferred_element_type=jnp.float32
       )
-      dp = jnp.einsum("bkgqe,bkse->bkgqs", do_n, v_t, preferred_element_type=jnp.float32)
-      ds = (p * (dp - delta_n[..., None]) * scale).astype(q_n.dtype)
-      dq = dq + jnp.einsum("bkgqs,bkse->bkgqe", ds, k_t, preferred_element_type=jnp.float32)
-      dk_t = jnp.einsum("bkgqs,bkgqe->bkse", ds, q_n, preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bkse,bkegq->bksgq", v_t, doT_n, preferred_element_type=jnp.float32)
+      ds = (p * (dp - delta_n) * scale).astype(q_n.dtype)
+      dqT = dqT + jnp.einsum("bkes,bksgq->bkegq", kT_t, ds, preferred_element_type=jnp.float32)
+      dk_t = jnp.einsum("bksgq,bkgqe->bkse", ds, q_n, preferred_element_type=jnp.float32)
       add = lambda acc, x: lax.dynamic_update_slice_in_dim(
         acc, lax.dynamic_slice_in_dim(acc, s0, block_k, axis=2) + x, s0, axis=2
       )
-      return dq, add(dk, dk_t), add(dv, dv_t)
+      return dqT, add(dk, dk_t), add(dv, dv_t)
 
     dk, dv = carry
-    dq0 = jnp.zeros(q_n.shape, jnp.float32)
+    dqT0 = jnp.zeros(qT_n.shape, jnp.float32)
     full = functools.partial(body, masked=False)
-    dq, dk, dv = _tile_loops(blocks.sched, n, body, full, (dq0, dk, dv))
-    return (dk, dv), dq
+    dqT, dk, dv = _tile_loops(blocks.sched, n, body, full, (dqT0, dk, dv))
+    return (dk, dv), dqT.transpose(0, 1, 3, 4, 2)  # [B,K,G,Q,E]
 
   zeros = jnp.zeros(blocks.k_BKSE.shape, jnp.float32)
   (dk, dv), dq_NBKGQE = lax.scan(per_block, (zeros, zeros), jnp.arange(blocks.q_NBKGQE.shape[0]))
