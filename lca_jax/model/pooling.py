@@ -36,10 +36,12 @@ class LatentPlan(NamedTuple):
 
 def _scatter(n, idx_BT, val_BT, ok_BT, fill=0):
   """out[b, idx] = val where ok (indices past n dropped); other slots keep ``fill``."""
-  b = idx_BT.shape[0]
   idx = jnp.where(ok_BT, idx_BT, n)  # n is out of range: dropped
-  out = jnp.full((b, n), fill, val_BT.dtype)
-  return out.at[jnp.arange(b)[:, None], idx].set(val_BT, mode="drop")
+  # one scatter per row under vmap: its batch axis stays a batching dimension of the scatter,
+  # which a batch-sharded step keeps on each device (row indices written out as
+  # ``out.at[arange(b)[:, None], idx]`` made XLA gather the whole batch onto every device)
+  row = lambda i_T, v_T: jnp.full((n,), fill, v_T.dtype).at[i_T].set(v_T, mode="drop")
+  return jax.vmap(row)(idx, val_BT)
 
 
 def plan_latents(b_hard_BT, doc_BT, n_slots: int) -> LatentPlan:
