@@ -99,8 +99,10 @@ def tiles_visited(lo_BT: jax.Array, block_q: int, block_k: int) -> jax.Array:
 
 
 class _Blocks(NamedTuple):
-  """Inputs laid out head-major for the loops: queries by block, keys padded by one tile so no
-  tile is clamped at the end, and the keys once more transposed ([B,K,E,S]).
+  """Inputs laid out head-major for the loops: queries by block, keys (transposed, [B,K,E,S])
+  and values padded by one tile so no tile is clamped at the end. These are the residuals the
+  backward pass keeps; it lays the keys out untransposed again itself (one transpose per call),
+  so the transposed keys cost no memory between the passes.
 
   Every tile product is then a plain [M, C] x [C, N] product of row-major operands, the only
   form XLA:CPU's matmul library (YNNPACK) takes without a transposing copy: the forward's
@@ -110,7 +112,6 @@ class _Blocks(NamedTuple):
 
   q_NBKGQE: jax.Array
   lo_NBQ: jax.Array
-  k_BKSE: jax.Array
   kT_BKES: jax.Array
   v_BKSE: jax.Array
   sched: Schedule
@@ -135,12 +136,10 @@ def _layout(q_BTHE, k_BTKE, v_BTKE, lo_BT, block_q, block_k) -> _Blocks:
   n = -(-t // block_q)
   lo = _pad_lo(lo_BT, n * block_q)
   kpad = lambda x: jnp.pad(x, ((0, 0), (0, block_k), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-  k_BKSE = kpad(k_BTKE)
   return _Blocks(
     _to_blocks(q_BTHE, kv, block_q),
     lo.reshape(b, n, block_q).transpose(1, 0, 2),
-    k_BKSE,
-    jnp.swapaxes(k_BKSE, 2, 3),
+    jnp.swapaxes(kpad(k_BTKE), 2, 3),
     kpad(v_BTKE),
     schedule(lo_BT, block_q, block_k),
   )
@@ -208,26 +207,28 @@ def _backward(blocks: _Blocks, out_BTHE, lse, do_BTHE, block_q, block_k, scale):
 
   Tiles are key-major, [B,K,S,G,Q] (S keys by the block's G Q query rows): scores
   k [S,E] x qT [E,G Q], dv = p [S,G Q] x do [G Q,E], dk = ds x q, and dq is accumulated
-  transposed, dqT [E,G Q] += kT [E,S] x ds [S,G Q], and transposed back once per block. The
-  transposed queries and output gradients are laid out once per call."""
+  transposed, dqT [E,G Q] += kT [E,S] x ds [S,G Q], and transposed back once per block. A
+  block's transposed queries and output gradients are laid out once per block (for all blocks
+  at once up front, the step's temp memory grew by another ~3%); the untransposed keys once
+  per call."""
   t = out_BTHE.shape[1]
-  kv = blocks.k_BKSE.shape[1]
+  kv = blocks.kT_BKES.shape[1]
+  k_BKSE = jnp.swapaxes(blocks.kT_BKES, 2, 3)
   dtype = blocks.q_NBKGQE.dtype
   do_NBKGQE = _to_blocks(do_BTHE.astype(dtype), kv, block_q)
-  to_t = lambda x: x.transpose(0, 1, 2, 5, 3, 4)  # [N,B,K,G,Q,E] -> [N,B,K,E,G,Q]
-  qT_NBKEGQ, doT_NBKEGQ = to_t(blocks.q_NBKGQE), to_t(do_NBKGQE)
+  to_t = lambda x: x.transpose(0, 1, 4, 2, 3)  # [B,K,G,Q,E] -> [B,K,E,G,Q]
   delta = jnp.sum(out_BTHE.astype(jnp.float32) * do_BTHE.astype(jnp.float32), axis=-1)
   delta_NBKGQ = _to_blocks(delta[..., None], kv, block_q)[..., 0]
 
   def per_block(carry, n):
     q_n, lo_n, do_n = blocks.q_NBKGQE[n], blocks.lo_NBQ[n], do_NBKGQE[n]
-    qT_n, doT_n = qT_NBKEGQ[n], doT_NBKEGQ[n]
+    qT_n, doT_n = to_t(q_n), to_t(do_n)  # once per block, outside its tile loops
     lse_n, delta_n = lse[n][:, :, None], delta_NBKGQ[n][:, :, None]  # [B,K,1,G,Q]
 
     def body(tile, c, masked=True):
       dqT, dk, dv = c
       s0 = _tile_start(blocks, n, tile, block_k)
-      k_t = lax.dynamic_slice_in_dim(blocks.k_BKSE, s0, block_k, axis=2)
+      k_t = lax.dynamic_slice_in_dim(k_BKSE, s0, block_k, axis=2)
       kT_t = lax.dynamic_slice_in_dim(blocks.kT_BKES, s0, block_k, axis=3)
       v_t = lax.dynamic_slice_in_dim(blocks.v_BKSE, s0, block_k, axis=2)
       s = jnp.einsum("bkse,bkegq->bksgq", k_t, qT_n, preferred_element_type=jnp.float32)
@@ -252,9 +253,9 @@ def _backward(blocks: _Blocks, out_BTHE, lse, do_BTHE, block_q, block_k, scale):
     dqT, dk, dv = _tile_loops(blocks.sched, n, body, full, (dqT0, dk, dv))
     return (dk, dv), dqT.transpose(0, 1, 3, 4, 2)  # [B,K,G,Q,E]
 
-  zeros = jnp.zeros(blocks.k_BKSE.shape, jnp.float32)
+  zeros = jnp.zeros(k_BKSE.shape, jnp.float32)
   (dk, dv), dq_NBKGQE = lax.scan(per_block, (zeros, zeros), jnp.arange(blocks.q_NBKGQE.shape[0]))
-  back = lambda x: x.transpose(0, 2, 1, 3)[:, :t].astype(blocks.k_BKSE.dtype)
+  back = lambda x: x.transpose(0, 2, 1, 3)[:, :t].astype(k_BKSE.dtype)
   return _from_blocks(dq_NBKGQE, t).astype(dtype), back(dk), back(dv)
 
 
