@@ -11,7 +11,7 @@ from conftest import assert_close_rel
 
 from lca_jax.api import Model
 from lca_jax.decode import bounds, engine, hlo_stats
-from lca_jax.model import layers
+from lca_jax.model import layers, masks
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import init_params
 from lca_jax.model.layers import cached_attention, masked_attention, write_kv
@@ -64,6 +64,32 @@ def test_cached_attention_equals_masked_attention_on_written_cache(
   ref = masked_attention(q, k2, v2.transpose(0, 1, 3, 2), mask, head_major=True)
   assert_close_rel(out, ref, 1e-5)
   assert not np.any(np.asarray(out[0]))
+
+
+@pytest.mark.parametrize("rows", [[[3], [0], [1]], [[3, 4], [0, 4], [2, 2]]])
+def test_stack_rows_equal_the_full_stack_at_those_rows(rows):
+  """A stack over a cache that keeps only some positions after its last layer (``rows_BR``:
+  the last byte of a multi-byte step, + the MBP copies) gives those positions' outputs of the
+  full stack, and writes the same keys and values at every position."""
+  rng = np.random.default_rng(0)
+  b, t, d, s, kv, e = 3, 5, 32, 16, 1, 16
+  stack = layers.Stack(n_layers=2, n_heads=2, n_kv_heads=kv, d_inner=64, rope_base=10000.0)
+  f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  x = f(b, t, d)
+  start = jnp.array([0, 4, s - t])  # ragged, one at the very end
+  pos = start[:, None] + jnp.arange(t)[None]
+  mask = masks.cache_causal_mask(pos, s) & jnp.asarray(rng.random((b, t, s)) < 0.8)
+  mask = mask | (jnp.arange(s)[None, None] == pos[..., None])  # every query sees itself
+  caches = [(f(b, kv, s, e), f(b, kv, e, s)) for _ in range(2)]
+  kw = dict(caches=caches, write_B=start)
+  params = stack.init(jax.random.PRNGKey(1), x, pos, mask, **kw)
+  full, full_caches = stack.apply(params, x, pos, mask, **kw)
+  rows_BR = jnp.asarray(rows)
+  part, part_caches = stack.apply(params, x, pos, mask, rows_BR=rows_BR, **kw)
+  assert part.shape == (b, rows_BR.shape[1], d)
+  assert_close_rel(part, layers.take_rows(full, rows_BR))
+  for got, want in zip(jax.tree.leaves(part_caches), jax.tree.leaves(full_caches)):
+    assert_close_rel(got, want)  # two programs: XLA may fuse them differently
 
 
 def test_step_stats_sees_a_copy_in_a_loop_that_makes_one():

@@ -157,11 +157,21 @@ class ByteLM(nn.Module):
     return h
 
   def stack_step(
-    self, which: str, x_BTD, pos_BT, mask_BTS, caches, write_B, window_B=None, defer_write=False
+    self,
+    which: str,
+    x_BTD,
+    pos_BT,
+    mask_BTS,
+    caches,
+    write_B,
+    window_B=None,
+    defer_write=False,
+    rows_BR=None,
   ):
     """Run stack ``which`` ('encoder', 'lm', 'decoder', 'mbp') over a KV cache (decoding),
     optionally attending only a window of it, optionally returning the new cache entries
-    instead of writing them (see ``Attention``)."""
+    instead of writing them, optionally keeping only some positions' outputs (``rows_BR``; see
+    ``Attention`` and ``Stack``)."""
     return getattr(self, which)(
       x_BTD,
       pos_BT,
@@ -170,6 +180,7 @@ class ByteLM(nn.Module):
       write_B=write_B,
       window_B=window_B,
       defer_write=defer_write,
+      rows_BR=rows_BR,
     )
 
   def mlp_head(self, i, h_BTD):

@@ -69,10 +69,11 @@ def _apply(cfg, params, method, *args, **kw):
   return ByteLM(cfg).apply({"params": params}, *args, method=method, **kw)
 
 
-def _stack(cfg, params, which, x, pos, mask, caches, write_B, window_B=None, defer=False):
-  out, new = _apply(
-    cfg, params, ByteLM.stack_step, which, x, pos, mask, list(caches), write_B, window_B, defer
-  )
+def _stack(
+  cfg, params, which, x, pos, mask, caches, write_B, window_B=None, defer=False, rows_BR=None
+):
+  args = (which, x, pos, mask, list(caches), write_B, window_B, defer, rows_BR)
+  out, new = _apply(cfg, params, ByteLM.stack_step, *args)
   return out, tuple(new)
 
 
@@ -264,12 +265,19 @@ def _pad_slots(z_BCD, entries, k: int):
   return pad(z_BCD, 1), tuple((pad(kk, 2), pad(vv, 3)) for kk, vv in entries)
 
 
+def _last_rows(blk: _Block, last_only: bool):
+  """The positions a stack's caller reads after its last layer: each row's last real byte
+  with ``last_only`` on a block of several bytes ([B, 1]), else all (None)."""
+  return blk.last_B[:, None] if last_only and blk.ids_BK.shape[1] > 1 else None
+
+
 def _heads(cfg, params, h_BKD, blk: _Block, last_only: bool):
-  """Logits of a head at each position ([B, K, V]; None with ``last_only``) and at each row's
-  last real byte ([B, V])."""
+  """Logits of a head at each position ([B, K, V]; None with ``last_only``, where ``h_BKD`` is
+  already each row's last real byte when the block has several, see ``_last_rows``) and at
+  each row's last real byte ([B, V])."""
   if last_only:
-    last = _apply(cfg, params, ByteLM.logits, _take(h_BKD, blk.last_B)[:, None])[:, 0]
-    return None, last
+    h_last = h_BKD if _last_rows(blk, last_only) is not None else _take(h_BKD, blk.last_B)[:, None]
+    return None, _apply(cfg, params, ByteLM.logits, h_last)[:, 0]
   every = _apply(cfg, params, ByteLM.logits, h_BKD)
   return every, _take(every, blk.last_B)
 
@@ -307,7 +315,11 @@ def extend(
   )
   has_new = blk.has_B
   x = _apply(cfg, params, ByteLM.embed, new_ids_BK)
-  h, enc = _stack(cfg, params, "encoder", x, pos, blk.causal_BKL, state.enc, state.length)
+  rows = _last_rows(blk, last_only)  # what the heads read of the last stack (decoder, or enc.)
+  enc_rows = None if cfg.hierarchical else rows
+  h, enc = _stack(
+    cfg, params, "encoder", x, pos, blk.causal_BKL, state.enc, state.length, rows_BR=enc_rows
+  )
   new = dict(
     ids=write_rows(state.ids, new_ids_BK, state.length), length=state.length + k_B, enc=enc
   )
@@ -321,8 +333,9 @@ def extend(
   lat = _latents(cfg, params, state, blk, h, _boundaries(cfg, params, state, blk, h))
   new.update(lat.fields)
   out.update(lat.out)
+  x_dec = lat.z_up_BKD + h
   h_nt, new["dec"] = _stack(
-    cfg, params, "decoder", lat.z_up_BKD + h, pos, blk.causal_BKL, state.dec, state.length
+    cfg, params, "decoder", x_dec, pos, blk.causal_BKL, state.dec, state.length, rows_BR=rows
   )
   every, last_nt = _heads(cfg, params, h_nt, blk, last_only)
   if every is not None:
@@ -331,7 +344,7 @@ def extend(
   if with_mbp and cfg.has_lca:
     new.update(_lca_step(cfg, params, state, blk, lat, new, n_copies, last_only, out))
   if with_mbp and cfg.n_mlp_mbp:
-    src = _take(h_nt, blk.last_B)[:, None] if last_only else h_nt
+    src = h_nt if not last_only or rows is not None else _take(h_nt, blk.last_B)[:, None]
     mlp = jnp.stack(
       [
         _apply(cfg, params, ByteLM.logits, _apply(cfg, params, ByteLM.mlp_head, i, src))
@@ -362,10 +375,14 @@ def _lca_step(cfg, params, state, blk: _Block, lat: _Latents, new, n_copies, las
     order = jnp.concatenate([order, copy_ord], axis=1)
   key_g = write_rows(new["g"], grp, state.length)
   key_ord = _key_order(state.length, blk.k_B, k, c, length_cap)
-  h_m, mbp = _mbp_stack(cfg, params, state, m, grp, order, key_g, key_ord)
+  rows = _last_rows(blk, last_only)
+  if rows is not None and c:  # the last byte, then the copies
+    rows = jnp.concatenate([rows, jnp.broadcast_to(k + jnp.arange(c), (rows.shape[0], c))], 1)
+  h_m, mbp = _mbp_stack(cfg, params, state, m, grp, order, key_g, key_ord, rows)
   if last_only:  # rows: the last byte, then the copies
-    h_rows = jnp.concatenate([_take(h_m[:, :k], blk.last_B)[:, None], h_m[:, k:]], 1)
-    logits = _apply(cfg, params, ByteLM.logits, h_rows)
+    if rows is None:
+      h_m = jnp.concatenate([_take(h_m[:, :k], blk.last_B)[:, None], h_m[:, k:]], 1)
+    logits = _apply(cfg, params, ByteLM.logits, h_m)
     last_mbp, copies = logits[:, 0], logits[:, 1:]
   else:
     logits = _apply(cfg, params, ByteLM.logits, h_m)
@@ -422,8 +439,11 @@ def mbp_window(length_cap: int, n_queries: int) -> int:
   return w
 
 
-def _mbp_stack(cfg, params, state: DecodeState, m_BQD, grp_BQ, ord_BQ, key_g_BL, key_ord_BL):
-  """The LCA-MBP stack over its byte cache for Q queries written at ``state.length``.
+def _mbp_stack(
+  cfg, params, state: DecodeState, m_BQD, grp_BQ, ord_BQ, key_g_BL, key_ord_BL, rows_BR=None
+):
+  """The LCA-MBP stack over its byte cache for Q queries written at ``state.length`` (outputs
+  only at ``rows_BR`` when given, see ``Stack``).
 
   A query's keys lie in [first byte of group g - 1, query] (docs/design.md §3.2), so the
   block needs only the slots from the first byte of group ``grp[:, 0] - 1`` to its last
@@ -436,7 +456,7 @@ def _mbp_stack(cfg, params, state: DecodeState, m_BQD, grp_BQ, ord_BQ, key_g_BL,
   slot = jnp.arange(length_cap)[None, :]
   mask = lambda g_BW, ord_BW: masks.lca_mask(grp_BQ, None, g_BW, None, ord_BQ, ord_BW)
   run = lambda m, window: _stack(
-    cfg, params, "mbp", m_BQD, ord_BQ, m, state.mbp, length, window, defer=True
+    cfg, params, "mbp", m_BQD, ord_BQ, m, state.mbp, length, window, defer=True, rows_BR=rows_BR
   )
   full = lambda: run(mask(key_g_BL, key_ord_BL), None)
   w = mbp_window(length_cap, q)

@@ -197,6 +197,12 @@ def write_kv(cache, entries, write_B):
   return write_rows(k_c, entries[0], start, axis=1), write_rows(v_c, entries[1], start, axis=2)
 
 
+def take_rows(x_BT, rows_BR):
+  """x[b, rows[b, r]] along axis 1 of a [B, T, ...] array: [B, R, ...]."""
+  idx = rows_BR.reshape(rows_BR.shape + (1,) * (x_BT.ndim - 2))
+  return jnp.take_along_axis(x_BT, idx, axis=1)
+
+
 # On XLA:CPU a product over a cache with several columns per (row, kv head) (its G query heads
 # x T queries) runs as one small Eigen GEMM per (row, kv head), which costs far more than the
 # same products as batched matrix-vector ones: one dot per column (g, t), batched over rows and
@@ -251,10 +257,12 @@ def cache_values(p_BKGTS, v_BKES):
 
 
 def cached_attention(q_BTHE, k_BKTE, v_BKET, cache, mask_BTS, start_B):
-  """Attention of T new queries over a KV cache (k [B, K, S, E], v transposed [B, K, E, S]) as
-  it will be once the T new keys (``k_BKTE``) and values (``v_BKET``) are written at slots
+  """Attention of T queries over a KV cache (k [B, K, S, E], v transposed [B, K, E, S]) as it
+  will be once the N new keys (``k_BKTE``) and values (``v_BKET``) are written at slots
   ``start_B`` (already clamped so that they fit): the S cache slots under ``mask_BTS``
-  [B, T, S], except the T slots being written, which are taken from the new keys instead.
+  [B, T, S], except the N slots being written, which are taken from the new keys instead.
+  Usually the queries are the N new positions (T = N); a caller that reads only some of
+  them passes those rows' queries and mask rows (T < N).
 
   Layouts chosen so that no step moves a cache: both products are matrix-vector products over
   the cache in its stored order (q.K over [S, E] rows, P.V over [E, S] rows; with v stored
@@ -263,12 +271,13 @@ def cached_attention(q_BTHE, k_BKTE, v_BKET, cache, mask_BTS, start_B):
   """
   b, t, h, e = q_BTHE.shape
   kv, s = cache[0].shape[1], cache[0].shape[2]
+  n_new = k_BKTE.shape[2]  # new keys: T, or more when only some rows query (``Attention``)
   q = q_BTHE.reshape(b, t, kv, h // kv, e)
   inv = 1.0 / jnp.sqrt(jnp.float32(e))
   rel_BS = jnp.arange(s)[None, :] - start_B[:, None]  # slot - first written slot
-  fresh_BS = (rel_BS >= 0) & (rel_BS < t)
+  fresh_BS = (rel_BS >= 0) & (rel_BS < n_new)
   # mask columns of the written slots, i.e. the mask of each query against each new key
-  cols_BT = start_B[:, None] + jnp.arange(t)[None, :]
+  cols_BT = start_B[:, None] + jnp.arange(n_new)[None, :]
   new_mask_BTT = jnp.take_along_axis(mask_BTS, jnp.minimum(cols_BT, s - 1)[:, None, :], axis=2)
   old_mask_BTS = mask_BTS & ~fresh_BS[:, None, :]
   sc_old = cache_scores(q, cache[0])
@@ -304,6 +313,7 @@ class Attention(nn.Module):
     deterministic=True,
     window_B=None,
     defer_write=False,
+    rows_BR=None,
   ):
     """Self-attention, or attention over a KV cache.
 
@@ -315,7 +325,9 @@ class Attention(nn.Module):
     Returns (out, (k, v)): the new keys/values (no cache), the updated cache, or with
     ``defer_write`` the new entries (k [B,K,T,E], v [B,K,E,T]) for ``write_kv`` to store later
     (a caller that runs the step under ``lax.cond`` writes after it: writes inside both branches
-    make XLA copy the caches).
+    make XLA copy the caches). With a cache, ``rows_BR`` [B, R] (indices into T) keeps only
+    those rows' queries: all T keys and values are still computed and written, and the output
+    is [B, R, D] (a caller that reads only some positions after this layer).
     """
     b, t, d = x_BTD.shape
     h, kv, e = self.n_heads, self.n_kv_heads, self.head_dim
@@ -331,6 +343,8 @@ class Attention(nn.Module):
     cos_sin = rope_cos_sin(positions_BT, e, self.rope_base, self.rope_len)  # once for q and k
     q = rope(q, cos_sin)
     k = rope(k, cos_sin)
+    if cache is not None and rows_BR is not None:
+      q, mask_BTS = take_rows(q, rows_BR), take_rows(mask_BTS, rows_BR)
     if cache is not None:
       k_h, v_h = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1)  # [B, K, T, E], [B, K, E, T]
       s_len = cache[0].shape[2]
@@ -354,7 +368,7 @@ class Attention(nn.Module):
     else:
       out = kernel(q, k, v) if kernel is not None else masked_attention(q, k, v, mask_BTS)
       new_kv = (k, v)
-    out = dense(d, "out_proj", ("heads", "embed"), self.dtype)(out.reshape(b, t, h * e))
+    out = dense(d, "out_proj", ("heads", "embed"), self.dtype)(out.reshape(b, -1, h * e))
     out = nn.Dropout(self.dropout)(out, deterministic=deterministic)
     return out, new_kv
 
@@ -403,6 +417,7 @@ class Block(nn.Module):
     deterministic=True,
     window_B=None,
     defer_write=False,
+    rows_BR=None,
   ):
     attn = Attention(
       self.n_heads,
@@ -424,8 +439,9 @@ class Block(nn.Module):
       deterministic=deterministic,
       window_B=window_B,
       defer_write=defer_write,
+      rows_BR=rows_BR,
     )
-    x = x + y
+    x = (x if rows_BR is None else take_rows(x, rows_BR)) + y
     y = SwiGLU(self.d_inner, self.dtype, name="mlp")(
       RMSNorm(self.eps, name="norm2")(x), decoding=cache is not None
     )
@@ -462,7 +478,10 @@ class Stack(nn.Module):
     deterministic=True,
     window_B=None,
     defer_write=False,
+    rows_BR=None,
   ):
+    """With caches, ``rows_BR`` [B, R] keeps only those positions after the last layer (the
+    output is [B, R, D]; every layer still writes all T positions' keys and values)."""
     # remat only saves activation memory for a backward pass: decoding (caches) runs plain
     # blocks, whose cache writes may be deferred (``defer_write``) out of a ``lax.cond``
     remat = self.remat and caches is None
@@ -494,6 +513,7 @@ class Stack(nn.Module):
           deterministic=deterministic,
           window_B=window_B,
           defer_write=defer_write,
+          rows_BR=rows_BR if i == self.n_layers - 1 else None,
         )
       new_caches.append(kv)
     return x, new_caches
