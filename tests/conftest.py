@@ -8,6 +8,10 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The programs' own persistent XLA cache (lca_jax/xla_cache.py) stays off in tests and in the
+# CLI processes they start: a test never reads or fills the user's ~/.cache (tests of the
+# cache pass their own directory).
+os.environ["LCA_JAX_XLA_CACHE"] = "0"
 # The suite's time is mostly XLA compiling small programs (a decode loop ~2.4 s on CPU, of
 # which LLVM's optimisation passes take half). jax's "most optimizations off" (XLA backend
 # optimisation level 0, LLVM's expensive passes off) changes only how the machine code is

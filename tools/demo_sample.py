@@ -335,10 +335,12 @@ def main(argv=None):
   args = ap.parse_args(argv)
 
   import lca_jax  # pylint: disable=g-import-not-at-top
+  from lca_jax import xla_cache  # pylint: disable=g-import-not-at-top
 
   try:
+    xla_cache.enable()  # a rerun of make demo loads its programs (LCA_JAX_XLA_CACHE)
     model = lca_jax.load(args.checkpoint)
-  except lca_jax.LoadError as e:
+  except (lca_jax.LoadError, xla_cache.XlaCacheError) as e:
     print(f"demo_sample: error: {e}", file=sys.stderr)
     return 2
   cfg = model.cfg

@@ -312,6 +312,9 @@ def main(argv=None) -> int:
     hostmem.use_huge_pages()
   a = _parser().parse_args(argv)
   try:
+    from lca_jax import xla_cache  # pylint: disable=g-import-not-at-top
+
+    xla_cache.enable()  # before anything compiles (LCA_JAX_XLA_CACHE)
     return {"bpb": _cmd_bpb, "tasks": _cmd_tasks, "sweep": _cmd_sweep}[a.command](a)
   except LcaError as e:  # every user-facing error of the package (lca_jax/errors.py)
     return _fail(str(e))

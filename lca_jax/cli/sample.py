@@ -147,9 +147,10 @@ _OPTIONS = ("n", "tau", "max_bytes", "temperature", "top_k", "top_p", "seed")
 
 def _main(args) -> int:
   # deferred: jax, flax and the model take seconds to import, which --help and usage errors skip
-  from lca_jax import api  # pylint: disable=g-import-not-at-top
+  from lca_jax import api, xla_cache  # pylint: disable=g-import-not-at-top
   from lca_jax.decode import engine  # pylint: disable=g-import-not-at-top
 
+  xla_cache.enable()  # before anything compiles (LCA_JAX_XLA_CACHE)
   prompts = _read_prompts(args)
   try:  # before the (slow) load; the messages are rewritten to name the CLI options
     engine.check_options(

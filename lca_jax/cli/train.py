@@ -148,6 +148,12 @@ def main(argv=None) -> int:
       return _fail(str(e))
     print(f"lca-train: joined: {distributed.local_process_info()}", file=sys.stderr, flush=True)
 
+  from lca_jax import xla_cache  # pylint: disable=g-import-not-at-top
+
+  try:
+    xla_cache.enable()  # before anything compiles (LCA_JAX_XLA_CACHE)
+  except xla_cache.XlaCacheError as e:
+    return _fail_multi(exit_now, str(e))
   try:
     result = loop.train_and_evaluate(config, args.workdir, watchdog=watchdog)
   except NonFiniteLossError as e:
