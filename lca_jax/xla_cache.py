@@ -5,7 +5,8 @@ executable takes ~3.5 s and its train step ~14 s, far more than the work of a sh
 ``lca-sample`` call or of the first steps after a resume. ``lca-train``, ``lca-sample``,
 ``lca-eval`` and ``tools/demo_sample.py`` therefore keep compiled programs on disk (jax's
 persistent compilation cache) and load them in later runs of the same program, shapes, options,
-devices and jax/jaxlib version (jax's cache key; anything else compiles anew): measured on a
+devices and jax/jaxlib version (jax's cache key; anything else compiles anew; jax does not
+store a program that calls back to the host, such as ``lca-sample --stream``): measured on a
 2-core CPU (2026-12-04), ``lca-sample`` of 100 bytes on the demo model 5.7 -> 2.5 s in all, a
 20-step ``lca-train`` of the demo config 27 -> 13 s, with the same results.
 
