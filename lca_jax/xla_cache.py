@@ -17,7 +17,9 @@ error if it cannot be used; ``0`` / ``off`` = no cache. A jax setting of the use
 (``MAX_BYTES``, least recently used entries evicted): with a size jax reads and writes entries
 under a file lock, so processes sharing the directory never read an entry half written (in a
 multi-process run only process 0 writes). A read that fails anyway is a warning and a compile,
-not an error.
+not an error. Give the cache a directory of its own: one that jax filled without a size
+(``JAX_COMPILATION_CACHE_DIR`` alone) keeps being read, but jax's eviction, which needs the
+access-time files it did not write there, then fails every write with a warning.
 """
 
 from __future__ import annotations
