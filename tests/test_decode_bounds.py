@@ -53,6 +53,15 @@ def test_param_counts_cover_the_model():
   )
 
 
+def test_stream_probe_is_the_model_size():
+  """The bandwidth probe streams a matrix as large as the model's float32 parameters (so it reads
+  from the memory level a step reads from), never less than MIN_STREAM_MB."""
+  assert bounds.stream_mb_for(LCA) == bounds.MIN_STREAM_MB  # a tiny model
+  big = ModelConfig(d_model=1024, d_inner=4096, n_heads=8, n_kv_heads=8, n_lm=16, n_mbp=2)
+  n = sum(bounds.param_counts(big).values())
+  assert n > 300e6 and bounds.stream_mb_for(big) == pytest.approx(n * 4 / 1e6)
+
+
 def test_step_read_bytes_by_hand():
   g = bounds.param_counts(LCA)
   every = g["encoder"] + g["boundary_predictor"] + g["decoder"] + g["norm"] + g["head"]

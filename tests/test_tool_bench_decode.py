@@ -224,7 +224,7 @@ def test_model_sources():
     ),
     (["--d-model", "32", "--bogus"], "--bogus"),
     (["--d-model", "32", "--batch", "0"], "--batch"),
-    (["--d-model", "32", "--stream-mb", "0"], "--stream-mb"),
+    (["--d-model", "32", "--stream-mb", "-1"], "--stream-mb"),
   ],
 )
 def test_bad_model_source(argv, needle, capsys):

@@ -23,7 +23,8 @@ acceptance, and from the optimized HLO of the compiled decode loop the ops of on
 (``decode.hlo_stats.step_stats``: ops, dots, fusions, and the copies of at least the smallest
 KV-cache buffer, count and bytes; there should be none). And the weight-streaming bound
 (``lca_jax.decode.bounds``, formula in its docstring): the matvec streaming bandwidth of this
-machine (``stream_gb_s``, measured once), per mode and batch the bytes one step must read
+machine (``stream_gb_s``, measured once, with a matrix the size of the model's parameters unless
+``--stream-mb`` says otherwise), per mode and batch the bytes one step must read
 (parameters it uses: embedding rows, encoder, boundary predictor, decoder, head every step, the
 latent LM in the measured fraction of steps that close a group, the MBP stack / MLP heads in
 threshold and verify; plus the KV caches its attention reads), ``bound_ms_per_step`` = bytes /
@@ -44,6 +45,7 @@ import argparse
 import collections
 import glob
 import json
+import math
 import os
 import sys
 import tempfile
@@ -312,7 +314,13 @@ def parse_args(argv=None):
     action="store_true",
     help="add each result's step profile (XLA profiler: thread ms per step by op kind)",
   )
-  ap.add_argument("--stream-mb", type=float, default=128.0, help="W of the bandwidth matvec, MB")
+  ap.add_argument(
+    "--stream-mb",
+    type=float,
+    default=0.0,
+    help="W of the bandwidth matvec, MB (0 = the model's float32 parameters, at least 16 MB: "
+    "the probe then streams from where a step of the model does)",
+  )
   ap.add_argument("--stream-repeats", type=int, default=5)
   a, rest = ap.parse_known_args(argv)
   a.modes = [m for m in a.modes.split(",") if m]
@@ -329,8 +337,8 @@ def parse_args(argv=None):
       ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
   if a.naive_bytes < 0:
     ap.error(f"--naive-bytes must be >= 0 (0 = skip the naive loop), got {a.naive_bytes}")
-  if not a.stream_mb > 0:
-    ap.error(f"--stream-mb must be > 0, got {a.stream_mb}")
+  if not (math.isfinite(a.stream_mb) and a.stream_mb >= 0):
+    ap.error(f"--stream-mb must be >= 0 (0 = the model's size), got {a.stream_mb}")
   shape = dict(
     d_model=a.d_model,
     d_inner=a.d_inner,
@@ -367,7 +375,7 @@ def main(argv=None):
   # threshold_tau0 accepts every candidate (n bytes per step whatever the model): the engine's
   # ceiling for this n, i.e. what threshold mode delivers once the MBP head is confident
   modes = [m for m in MODES if m in a.modes and (m == "ntp" or model.cfg.has_mbp)]
-  stream = bounds.stream_bandwidth(a.stream_mb, a.stream_repeats)
+  stream = bounds.stream_bandwidth(a.stream_mb or bounds.stream_mb_for(model.cfg), a.stream_repeats)
   out = {
     "checkpoint": a.checkpoint,
     "model": model_info(model),

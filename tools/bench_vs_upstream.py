@@ -64,7 +64,8 @@ stops early on the repetitive output of random weights):
 
 Per size: parameter counts, bytes/s and ms per step of both sides, ``ratio`` = lca_jax /
 upstream bytes/s, and the weight-streaming bound of lca_jax's step (``lca_jax.decode.bounds``,
-the same bandwidth measurement and formula as tools/bench_decode.py: ``stream_gb_s`` of the
+the same bandwidth measurement and formula as tools/bench_decode.py, with a matrix of that
+size's float32 parameters unless ``--stream-mb`` is given: per size ``stream_gb_s`` of the
 jax device, ``bound_ms_per_step``, ``ms_per_step_over_bound``).
 
 Bad input is reported in one line on stderr with exit status 2.
@@ -310,7 +311,12 @@ def _parser():
   )
   de.add_argument("--seed", type=int, default=0, help="random weights and sampling seed")
   de.add_argument("--repeats", type=int, default=2, help="timed lca_jax calls (best counts)")
-  de.add_argument("--stream-mb", type=float, default=128.0, help="W of the bandwidth matvec, MB")
+  de.add_argument(
+    "--stream-mb",
+    type=float,
+    default=0.0,
+    help="W of the bandwidth matvec, MB (0 = each size's float32 parameters, at least 16 MB)",
+  )
   de.add_argument("--stream-repeats", type=int, default=5)
   de.add_argument(
     "--torch-threads",
@@ -858,8 +864,8 @@ def _validate_decode(args):
     )
   if args.torch_threads < 0:
     raise BenchError(f"--torch-threads must be >= 0 (0 = all cores), got {args.torch_threads}")
-  if not (math.isfinite(args.stream_mb) and args.stream_mb > 0):
-    raise BenchError(f"--stream-mb must be > 0, got {args.stream_mb}")
+  if not (math.isfinite(args.stream_mb) and args.stream_mb >= 0):
+    raise BenchError(f"--stream-mb must be >= 0 (0 = each size's parameters), got {args.stream_mb}")
   cfgs = [(name, decode_model_config(shape)) for name, shape in sizes]
   for name, cfg in cfgs:
     if args.prompt_bytes + args.new_bytes > cfg.max_seq_len:
@@ -875,7 +881,6 @@ def run_decode(args) -> dict:
   torch.set_num_threads(args.torch_threads or os.cpu_count() or 1)
   cls = import_upstream(src)
   prompt = bench_decode.prompt_ids(args.prompt_bytes)
-  stream = bounds.stream_bandwidth(args.stream_mb, args.stream_repeats)
   results = {}
   for name, cfg in cfgs:
     with tempfile.TemporaryDirectory(prefix="bench_vs_upstream_") as ckpt:
@@ -888,6 +893,11 @@ def run_decode(args) -> dict:
       del up_model
       print(f"{PROG}: {name}: lca_jax ...", file=sys.stderr, flush=True)
       model = load_lca_dir(ckpt, cfg)
+    # the probe streams a matrix of this model's size (bounds.stream_mb_for), from where its
+    # steps stream their weights (a cache level on small models, DRAM on large ones)
+    stream = bounds.stream_bandwidth(
+      args.stream_mb or bounds.stream_mb_for(model.cfg), args.stream_repeats
+    )
     ours = lca_decode(model, prompt, args, stream["bytes_per_s"])
     n_ours = bench_decode.n_params(model)
     pad = (model.cfg.vocab_size - model.cfg.n_tokens) * model.cfg.d_model * 2  # padding rows
@@ -910,6 +920,8 @@ def run_decode(args) -> dict:
       upstream=up,
       lca_jax=ours,
       ratio=ours["bytes_per_s"] / up["bytes_per_s"],
+      stream_gb_s=round(stream["gb_s"], 2),
+      stream={k: v for k, v in stream.items() if k not in ("gb_s", "bytes_per_s")},
     )
   return dict(
     machine=machine_info(device),
@@ -923,8 +935,6 @@ def run_decode(args) -> dict:
       method="generate_group_cached", threshold=UPSTREAM_THRESHOLD, candidates=1, batch=1
     ),
     lca_jax_call=dict(mode="ntp", ignore_eos=True, batch=1, repeats=args.repeats),
-    stream_gb_s=round(stream["gb_s"], 2),
-    stream={k: v for k, v in stream.items() if k not in ("gb_s", "bytes_per_s")},
     sizes=results,
   )
 

@@ -6,9 +6,14 @@ step can be faster than ``read bytes / streaming bandwidth``; ``tools/bench_deco
 ``tools/bench_vs_upstream.py decode`` report measured ms per step against that bound.
 
 Bandwidth (``stream_bandwidth``): a jitted float32 matrix-vector product x[1, D] @ W[D, F]
-with W of ``matrix_mb`` MB (default 128: larger than any cache level), chained ``chain`` times
-inside one call (each product's input depends on the last one's output, so none is hoisted and
-dispatch is paid once), best of ``repeats`` calls: ``bytes(W) * chain / seconds``.
+with W of ``matrix_mb`` MB, chained ``chain`` times inside one call (each product's input
+depends on the last one's output, so none is hoisted and dispatch is paid once), best of
+``repeats`` calls: ``bytes(W) * chain / seconds``. The tools size W as the model's float32
+parameters (``stream_mb_for``, at least ``MIN_STREAM_MB``), so that the probe streams from the
+level of the memory hierarchy a decode step of that model streams its weights from. A fixed
+size misleads on some hosts: a 128 MB W, the former default, stays in the 480 MB L3 of an Intel
+Xeon test host (2026-12-04), where the probe then gave 46 GB/s while the 374M model's steps,
+563 MB of weights from DRAM, ran at 25 GB/s (its probe at 1.5 GB: see design §6.5).
 
 Bytes one step must read (``step_read_bytes``), per mode at batch B, W bytes fed per row
 (1 in ntp, n in threshold / verify), parameters at their stored size (float32):
@@ -53,6 +58,7 @@ from lca_jax.model.hierarchical import init_params
 from lca_jax.model.incremental import mbp_window
 
 PARAM_ITEMSIZE = 4  # parameters stay float32 (ModelConfig.dtype is the compute dtype)
+MIN_STREAM_MB = 16.0  # smallest probe: a few MB would measure one core's L2
 
 
 # ---- bandwidth ------------------------------------------------------------------------------
@@ -118,6 +124,13 @@ def param_counts(cfg: ModelConfig) -> dict:
   ``head``, ``token_embedding``, ``boundary_predictor``, ``mlp_mbp_i``, ...), from the config
   (nothing allocated)."""
   return dict(_group_params(cfg))
+
+
+def stream_mb_for(cfg: ModelConfig) -> float:
+  """MB of the bandwidth probe's matrix for a model: its float32 parameters, at least
+  ``MIN_STREAM_MB`` (module docstring)."""
+  n = sum(param_counts(cfg).values())
+  return max(MIN_STREAM_MB, n * PARAM_ITEMSIZE / 1e6)
 
 
 def cache_len(prompt_lens, max_bytes: int, width: int, max_seq_len: int, pad_to: int = 32) -> int:
