@@ -92,6 +92,23 @@ def test_stack_rows_equal_the_full_stack_at_those_rows(rows):
     assert_close_rel(got, want)  # two programs: XLA may fuse them differently
 
 
+@pytest.mark.parametrize("remat", [False, True])
+def test_stack_rows_without_cache(remat):
+  """Without a cache (a full forward, remat or not) ``rows_BR`` also keeps those positions of
+  the full stack's output."""
+  rng = np.random.default_rng(1)
+  b, t, d = 2, 6, 32
+  stack = layers.Stack(n_layers=2, n_heads=2, n_kv_heads=1, d_inner=64, rope_base=1e4, remat=remat)
+  x = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+  params = stack.init(jax.random.PRNGKey(0), x, pos, mask)
+  full, _ = stack.apply(params, x, pos, mask)
+  rows_BR = jnp.array([[5, 0], [2, 2]])
+  part, _ = stack.apply(params, x, pos, mask, rows_BR=rows_BR)
+  assert_close_rel(part, layers.take_rows(full, rows_BR))
+
+
 def test_step_stats_sees_a_copy_in_a_loop_that_makes_one():
   """The parser must report the cache copy XLA makes when a loop writes a buffer that an
   unordered read still needs (the bug the decode step avoids), and none once ordered."""

@@ -325,9 +325,9 @@ class Attention(nn.Module):
     Returns (out, (k, v)): the new keys/values (no cache), the updated cache, or with
     ``defer_write`` the new entries (k [B,K,T,E], v [B,K,E,T]) for ``write_kv`` to store later
     (a caller that runs the step under ``lax.cond`` writes after it: writes inside both branches
-    make XLA copy the caches). With a cache, ``rows_BR`` [B, R] (indices into T) keeps only
-    those rows' queries: all T keys and values are still computed and written, and the output
-    is [B, R, D] (a caller that reads only some positions after this layer).
+    make XLA copy the caches). ``rows_BR`` [B, R] (indices into T) keeps only those rows'
+    outputs, [B, R, D] (a caller that reads only some positions after this layer): all T keys
+    and values are still computed (and written); over a cache only those rows query.
     """
     b, t, d = x_BTD.shape
     h, kv, e = self.n_heads, self.n_kv_heads, self.head_dim
@@ -367,6 +367,7 @@ class Attention(nn.Module):
         new_kv = write_kv(cache, new_kv, write_B)
     else:
       out = kernel(q, k, v) if kernel is not None else masked_attention(q, k, v, mask_BTS)
+      out = out if rows_BR is None else take_rows(out, rows_BR)
       new_kv = (k, v)
     out = dense(d, "out_proj", ("heads", "embed"), self.dtype)(out.reshape(b, -1, h * e))
     out = nn.Dropout(self.dropout)(out, deterministic=deterministic)
@@ -405,7 +406,7 @@ class Block(nn.Module):
 
   @nn.compact
   # Not keyword-only: Stack's remat path passes every argument positionally (static_argnums
-  # there count self as 0: kernel is 4, deterministic 7).
+  # there count self as 0: kernel is 4, deterministic 7, defer_write 9).
   def __call__(
     self,
     x,
@@ -480,14 +481,16 @@ class Stack(nn.Module):
     defer_write=False,
     rows_BR=None,
   ):
-    """With caches, ``rows_BR`` [B, R] keeps only those positions after the last layer (the
-    output is [B, R, D]; every layer still writes all T positions' keys and values)."""
+    """``rows_BR`` [B, R] keeps only those positions after the last layer (the output is
+    [B, R, D]; every layer still computes, and over caches writes, all T positions' keys and
+    values)."""
     # remat only saves activation memory for a backward pass: decoding (caches) runs plain
     # blocks, whose cache writes may be deferred (``defer_write``) out of a ``lax.cond``
     remat = self.remat and caches is None
-    block_cls = nn.remat(Block, static_argnums=(4, 7)) if remat else Block
+    block_cls = nn.remat(Block, static_argnums=(4, 7, 9)) if remat else Block
     new_caches = []
     for i in range(self.n_layers):
+      rows = rows_BR if i == self.n_layers - 1 else None
       blk = block_cls(
         self.n_heads,
         self.n_kv_heads,
@@ -501,7 +504,8 @@ class Stack(nn.Module):
       )
       cache = None if caches is None else caches[i]
       if remat:
-        x, kv = blk(x, positions, mask, kernel, cache, write_B, deterministic, window_B)
+        args = (kernel, cache, write_B, deterministic, window_B, defer_write, rows)
+        x, kv = blk(x, positions, mask, *args)
       else:
         x, kv = blk(
           x,
@@ -513,7 +517,7 @@ class Stack(nn.Module):
           deterministic=deterministic,
           window_B=window_B,
           defer_write=defer_write,
-          rows_BR=rows_BR if i == self.n_layers - 1 else None,
+          rows_BR=rows,
         )
       new_caches.append(kv)
     return x, new_caches
