@@ -33,7 +33,7 @@ from lca_jax.errors import LcaError
 
 ENV = "LCA_JAX_XLA_CACHE"
 MAX_BYTES = 2 * 2**30
-_OFF = frozenset({"0", "off", "none", "false", "no"})
+_OFF = frozenset({"", "0", "off", "none", "false", "no"})
 
 
 class XlaCacheError(LcaError):
@@ -65,7 +65,7 @@ def enable(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
   if own:
     return own
   setting = environ.get(ENV)
-  if setting is not None and setting.strip().lower() in _OFF | {""}:
+  if setting is not None and setting.strip().lower() in _OFF:
     return None
   if setting is None:
     path = default_dir(environ)

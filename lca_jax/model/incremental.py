@@ -32,7 +32,7 @@ from lca_jax.model import boundaries as bnd
 from lca_jax.model import masks, pooling
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import ByteLM
-from lca_jax.model.layers import write_kv, write_rows
+from lca_jax.model.layers import take_rows, write_kv, write_rows
 
 
 @flax.struct.dataclass
@@ -84,7 +84,7 @@ def _write(caches, entries, write_B):
 
 def _take(x_BK, idx_B):
   """x[b, idx[b]] for a [B, K, ...] array."""
-  return jnp.take_along_axis(x_BK, idx_B.reshape((-1, 1) + (1,) * (x_BK.ndim - 2)), axis=1)[:, 0]
+  return take_rows(x_BK, idx_B[:, None])[:, 0]
 
 
 def _keep(has_B, new, old):
@@ -271,13 +271,19 @@ def _last_rows(blk: _Block, last_only: bool):
   return blk.last_B[:, None] if last_only and blk.ids_BK.shape[1] > 1 else None
 
 
+def _head_input(h_BKD, blk: _Block, last_only: bool, rows_BR):
+  """The last stack's output as the heads read it: with ``last_only`` each row's last real
+  byte ([B, 1, D]; already so when the stack ran with ``rows_BR``), else every position."""
+  if not last_only or rows_BR is not None:
+    return h_BKD
+  return _take(h_BKD, blk.last_B)[:, None]
+
+
 def _heads(cfg, params, h_BKD, blk: _Block, last_only: bool):
   """Logits of a head at each position ([B, K, V]; None with ``last_only``, where ``h_BKD`` is
-  already each row's last real byte when the block has several, see ``_last_rows``) and at
-  each row's last real byte ([B, V])."""
+  each row's last real byte, see ``_head_input``) and at each row's last real byte ([B, V])."""
   if last_only:
-    h_last = h_BKD if _last_rows(blk, last_only) is not None else _take(h_BKD, blk.last_B)[:, None]
-    return None, _apply(cfg, params, ByteLM.logits, h_last)[:, 0]
+    return None, _apply(cfg, params, ByteLM.logits, h_BKD)[:, 0]
   every = _apply(cfg, params, ByteLM.logits, h_BKD)
   return every, _take(every, blk.last_B)
 
@@ -325,7 +331,7 @@ def extend(
   )
   out = {}
   if not cfg.hierarchical:
-    every, last_nt = _heads(cfg, params, h, blk, last_only)
+    every, last_nt = _heads(cfg, params, _head_input(h, blk, last_only, rows), blk, last_only)
     if every is not None:
       out["nt_logits"] = every
     return state.replace(**new, last_nt=_keep(has_new, last_nt, state.last_nt)), out
@@ -337,6 +343,7 @@ def extend(
   h_nt, new["dec"] = _stack(
     cfg, params, "decoder", x_dec, pos, blk.causal_BKL, state.dec, state.length, rows_BR=rows
   )
+  h_nt = _head_input(h_nt, blk, last_only, rows)
   every, last_nt = _heads(cfg, params, h_nt, blk, last_only)
   if every is not None:
     out["nt_logits"] = every
@@ -344,10 +351,9 @@ def extend(
   if with_mbp and cfg.has_lca:
     new.update(_lca_step(cfg, params, state, blk, lat, new, n_copies, last_only, out))
   if with_mbp and cfg.n_mlp_mbp:
-    src = h_nt if not last_only or rows is not None else _take(h_nt, blk.last_B)[:, None]
     mlp = jnp.stack(
       [
-        _apply(cfg, params, ByteLM.logits, _apply(cfg, params, ByteLM.mlp_head, i, src))
+        _apply(cfg, params, ByteLM.logits, _apply(cfg, params, ByteLM.mlp_head, i, h_nt))
         for i in range(cfg.n_mlp_mbp)
       ],
       axis=1,
