@@ -234,6 +234,44 @@ def test_a_long_block_runs_the_lm_over_its_groups_only(name, monkeypatch):
   assert picked == ({48, k} if name == "lca" else {48}), picked
 
 
+@pytest.mark.parametrize("name", ["lca", "mlp", "spacebyte", "flat"])
+def test_a_fresh_prefill_equals_one_over_the_whole_caches(name):
+  """``prefill`` feeds the prompts as a ``fresh`` block (attention reads none of the empty
+  caches' slots, the LM's null slot only): ragged prompts leave the state an ``extend`` over
+  the whole (masked) caches leaves, its last logits are the full forward's, and the next
+  bytes decode the same from both."""
+  model = tiny_model(name, factor=4.0, bp_bias=1.0)
+  cfg, params = model.cfg, model.params
+  rng = np.random.default_rng(5)
+  b, k, cap = 2, 24, 48
+  ids = np.stack([random_ids(rng, k + 6) for _ in range(b)])
+  plen = np.array([k, k - 7], np.int32)
+  x = jnp.asarray(np.where(np.arange(k)[None] < plen[:, None], ids[:, :k], 0))
+  c = 2 if cfg.has_lca else 0
+  fresh = jax.jit(lambda x, p: incremental.prefill(cfg, params, x, p, cap, True, c))(x, plen)
+
+  def whole(x, p):
+    st = incremental.init_state(cfg, params, b, cap, True, c)
+    return incremental.extend(cfg, params, st, x, p, True, c, last_only=True)[0]
+
+  ref_st = jax.jit(whole)(x, plen)
+  ref = model.forward(ids)
+  for f in ("length", "n_closed", "b", "g"):
+    np.testing.assert_array_equal(np.asarray(getattr(fresh, f)), np.asarray(getattr(ref_st, f)))
+  for f in ("last_nt", "last_mbp", "last_mlp", "last_copies", "z", "open_sum"):
+    assert_close_rel(getattr(fresh, f), getattr(ref_st, f), err_msg=f)
+  for r in range(b):
+    assert_close_rel(fresh.last_nt[r], ref["ntp_logits"][r, plen[r] - 1])
+  ext = jax.jit(lambda st, x, n: incremental.extend(cfg, params, st, x, n, True, c))
+  nxt = jnp.asarray(np.stack([ids[r, plen[r] : plen[r] + 6] for r in range(b)]))
+  six = jnp.full((b,), 6, jnp.int32)
+  (_, got), (_, want) = ext(fresh, nxt, six), ext(ref_st, nxt, six)
+  for key in want:
+    assert_close_rel(got[key], want[key], err_msg=key)
+  for r in range(b):
+    assert_close_rel(got["nt_logits"][r], ref["ntp_logits"][r, plen[r] : plen[r] + 6])
+
+
 def test_rollback_equals_shorter_extend():
   model = tiny_model("lca", bp_bias=2.0)
   cfg = model.cfg

@@ -66,6 +66,33 @@ def test_cached_attention_equals_masked_attention_on_written_cache(
   assert not np.any(np.asarray(out[0]))
 
 
+@pytest.mark.parametrize("matvec", [False, True])
+@pytest.mark.parametrize("old_slots", [0, 1, 5])
+def test_cached_attention_reads_only_the_old_slots_it_is_given(old_slots, matvec, monkeypatch):
+  """With ``old_slots`` n only the cache's first n slots are read (the slots past them are NaN
+  here: a read would make the output NaN) and the result is the attention over the whole
+  written cache when the mask allows no other earlier key."""
+  monkeypatch.setattr(layers, "MATVEC_CACHE_COLUMNS", 10**6 if matvec else 0)
+  rng = np.random.default_rng(old_slots)
+  b, t, kv, groups, e, s = 2, 3, 1, 2, 8, 12
+  f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  q, kn, vn = f(b, t, kv * groups, e), f(b, kv, t, e), f(b, kv, e, t)
+  kc = f(b, kv, s, e).at[:, :, old_slots:].set(jnp.nan)
+  vc = f(b, kv, e, s).at[..., old_slots:].set(jnp.nan)
+  start = jnp.array([old_slots, old_slots + 2])  # the new keys follow the old ones (or a gap)
+  slot = jnp.arange(s)[None, None]
+  written = (slot >= start[:, None, None]) & (slot < start[:, None, None] + t)
+  mask = (jnp.asarray(rng.random((b, t, s)) < 0.7) & (slot < old_slots)) | written
+  out = cached_attention(q, kn, vn, (kc, vc), mask, start, old_slots)
+  k2, v2 = write_kv((kc, vc), (kn, vn), start)
+  clean = lambda a: jnp.nan_to_num(a, nan=0.0)  # the reference reads every slot
+  ref = masked_attention(q, clean(k2), clean(v2).transpose(0, 1, 3, 2), mask, head_major=True)
+  assert np.all(np.isfinite(np.asarray(out)))
+  assert_close_rel(out, ref, 1e-5)
+  whole = cached_attention(q, kn, vn, (kc, vc), mask, start)
+  assert not np.all(np.isfinite(np.asarray(whole)))  # the NaN slots are there to be read
+
+
 @pytest.mark.parametrize("rows", [[[3], [0], [1]], [[3, 4], [0, 4], [2, 2]]])
 def test_stack_rows_equal_the_full_stack_at_those_rows(rows):
   """A stack over a cache that keeps only some positions after its last layer (``rows_BR``:

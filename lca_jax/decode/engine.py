@@ -204,9 +204,8 @@ def _run(cfgs, plan: Plan, length: int, emit, params, prompt_BP, plen_B, key, ta
   ctx = Ctx(cfg, dcfg, p_t, p_d, plan, tau, sp)
   policy = plan.policy
   b = prompt_BP.shape[0]
-  st = incremental.init_state(cfg, p_t, b, length, policy.target_mbp, plan.copies_in_extend)
-  st, _ = incremental.extend(
-    cfg, p_t, st, prompt_BP, plen_B, policy.target_mbp, plan.copies_in_extend, last_only=True
+  st = incremental.prefill(
+    cfg, p_t, prompt_BP, plen_B, length, policy.target_mbp, plan.copies_in_extend
   )
   n_keys = 1 if plan.greedy else plan.max_steps
   keys = jax.random.split(key, n_keys * 2).reshape((n_keys, 2) + key.shape)

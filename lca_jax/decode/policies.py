@@ -254,9 +254,8 @@ class Drafter(Policy):
   uses_drafter = True
 
   def init(self, ctx, loop, prompt_BP, plen_B):
-    b, length = loop.st.ids.shape
-    dst = incremental.init_state(ctx.dcfg, ctx.dparams, b, length, True)
-    dst, _ = incremental.extend(ctx.dcfg, ctx.dparams, dst, prompt_BP, plen_B, True, last_only=True)
+    length = loop.st.ids.shape[1]
+    dst = incremental.prefill(ctx.dcfg, ctx.dparams, prompt_BP, plen_B, length, True)
     return loop.replace(dst=dst)
 
   def propose(self, ctx, loop, k_draft, k_acc):

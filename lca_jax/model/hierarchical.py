@@ -167,11 +167,13 @@ class ByteLM(nn.Module):
     window_B=None,
     defer_write=False,
     rows_BR=None,
+    old_slots=None,
   ):
     """Run stack ``which`` ('encoder', 'lm', 'decoder', 'mbp') over a KV cache (decoding),
     optionally attending only a window of it, optionally returning the new cache entries
-    instead of writing them, optionally keeping only some positions' outputs (``rows_BR``; see
-    ``Attention`` and ``Stack``)."""
+    instead of writing them, optionally keeping only some positions' outputs (``rows_BR``),
+    optionally reading only the first ``old_slots`` slots of each cache (see ``Attention`` and
+    ``Stack``)."""
     return getattr(self, which)(
       x_BTD,
       pos_BT,
@@ -181,6 +183,7 @@ class ByteLM(nn.Module):
       window_B=window_B,
       defer_write=defer_write,
       rows_BR=rows_BR,
+      old_slots=old_slots,
     )
 
   def mlp_head(self, i, h_BTD):

@@ -70,9 +70,20 @@ def _apply(cfg, params, method, *args, **kw):
 
 
 def _stack(
-  cfg, params, which, x, pos, mask, caches, write_B, window_B=None, defer=False, rows_BR=None
+  cfg,
+  params,
+  which,
+  x,
+  pos,
+  mask,
+  caches,
+  write_B,
+  window_B=None,
+  defer=False,
+  rows_BR=None,
+  old_slots=None,
 ):
-  args = (which, x, pos, mask, list(caches), write_B, window_B, defer, rows_BR)
+  args = (which, x, pos, mask, list(caches), write_B, window_B, defer, rows_BR, old_slots)
   out, new = _apply(cfg, params, ByteLM.stack_step, *args)
   return out, tuple(new)
 
@@ -118,6 +129,7 @@ def init_state(
       masks.cache_causal_mask(jnp.zeros((batch, 1), jnp.int32), n_slots),
       lm,
       zero,
+      old_slots=0,
     )
     z = write_rows(jnp.zeros((batch, n_slots, d), dt), z0, zero)
     s = write_rows(jnp.zeros((batch, n_slots, d), dt), null, zero)
@@ -181,9 +193,11 @@ class _Latents(NamedTuple):
   out: dict  # per-position running values for ``rollback``
 
 
-def _latents(cfg, params, state: DecodeState, blk: _Block, h_BKD, closes_BK) -> _Latents:
+def _latents(
+  cfg, params, state: DecodeState, blk: _Block, h_BKD, closes_BK, fresh: bool
+) -> _Latents:
   """Pool the groups the block closes, run the LM over them (only when some row closed one:
-  Eff-FxT) and read back the latent each byte sees."""
+  Eff-FxT) and read back the latent each byte sees. ``fresh``: see ``extend``."""
   b, k = closes_BK.shape
   j = jnp.arange(k)[None, :]
   prev_close = jnp.concatenate([jnp.zeros_like(closes_BK[:, :1]), closes_BK[:, :-1]], axis=1)
@@ -199,13 +213,16 @@ def _latents(cfg, params, state: DecodeState, blk: _Block, h_BKD, closes_BK) -> 
   first_slot = state.n_closed + 1
   slot_pos = first_slot[:, None] + j
   lm_mask = masks.cache_causal_mask(slot_pos, state.z.shape[1])
+  old = 1 if fresh else None  # a fresh LM cache holds the null group only
 
   # The LM cache is written after the branch (zeros when it did not run: slots past n_closed
   # are garbage until a group closes there).
   def lm_over(c):
     def run():
       x, pos, mask = (a[:, :c] for a in (new_s, slot_pos, lm_mask))
-      z, kv = _stack(cfg, params, "lm", x, pos, mask, state.lm, first_slot, defer=True)
+      z, kv = _stack(
+        cfg, params, "lm", x, pos, mask, state.lm, first_slot, defer=True, old_slots=old
+      )
       return _pad_slots(z, kv, k)
 
     return run
@@ -297,6 +314,7 @@ def extend(
   with_mbp: bool,
   n_copies: int = 0,
   last_only: bool = False,
+  fresh: bool = False,
 ):
   """Feed K bytes per row (the first ``k_B`` real) through every stack. Returns the new state
   and per-position outputs: logits of each head and the running values needed for rollback.
@@ -306,6 +324,9 @@ def extend(
   With ``last_only`` the heads run only where the state needs them (each row's last byte and
   the copies), not at every position: for callers that never roll back (prefill, ntp,
   threshold); the per-position logits are then absent from the outputs.
+  ``fresh`` (static): ``state`` is ``init_state``'s, nothing fed yet (a prefill): the byte
+  caches hold no keys and the LM's only the null group, so the block's attention reads none of
+  the cache slots (``layers.cached_attention``'s ``old_slots``) instead of all of them masked.
   """
   length_cap = state.ids.shape[1]
   j = jnp.arange(new_ids_BK.shape[1])[None, :]
@@ -323,8 +344,20 @@ def extend(
   x = _apply(cfg, params, ByteLM.embed, new_ids_BK)
   rows = _last_rows(blk, last_only)  # what the heads read of the last stack (decoder, or enc.)
   enc_rows = None if cfg.hierarchical else rows
+  old = 0 if fresh else None  # byte-cache slots that can hold earlier keys
   h, enc = _stack(
-    cfg, params, "encoder", x, pos, blk.causal_BKL, state.enc, state.length, rows_BR=enc_rows
+    cfg,
+    params,
+    "encoder",
+    x,
+    pos,
+    blk.causal_BKL,
+    state.enc,
+    state.length,
+    None,
+    False,
+    enc_rows,
+    old,
   )
   new = dict(
     ids=write_rows(state.ids, new_ids_BK, state.length), length=state.length + k_B, enc=enc
@@ -336,12 +369,23 @@ def extend(
       out["nt_logits"] = every
     return state.replace(**new, last_nt=_keep(has_new, last_nt, state.last_nt)), out
 
-  lat = _latents(cfg, params, state, blk, h, _boundaries(cfg, params, state, blk, h))
+  lat = _latents(cfg, params, state, blk, h, _boundaries(cfg, params, state, blk, h), fresh)
   new.update(lat.fields)
   out.update(lat.out)
   x_dec = lat.z_up_BKD + h
   h_nt, new["dec"] = _stack(
-    cfg, params, "decoder", x_dec, pos, blk.causal_BKL, state.dec, state.length, rows_BR=rows
+    cfg,
+    params,
+    "decoder",
+    x_dec,
+    pos,
+    blk.causal_BKL,
+    state.dec,
+    state.length,
+    None,
+    False,
+    rows,
+    old,
   )
   h_nt = _head_input(h_nt, blk, last_only, rows)
   every, last_nt = _heads(cfg, params, h_nt, blk, last_only)
@@ -349,7 +393,7 @@ def extend(
     out["nt_logits"] = every
   new["last_nt"] = _keep(has_new, last_nt, state.last_nt)
   if with_mbp and cfg.has_lca:
-    new.update(_lca_step(cfg, params, state, blk, lat, new, n_copies, last_only, out))
+    new.update(_lca_step(cfg, params, state, blk, lat, new, n_copies, last_only, fresh, out))
   if with_mbp and cfg.n_mlp_mbp:
     mlp = jnp.stack(
       [
@@ -367,7 +411,23 @@ def extend(
   return state.replace(**new), out
 
 
-def _lca_step(cfg, params, state, blk: _Block, lat: _Latents, new, n_copies, last_only, out):
+def prefill(
+  cfg: ModelConfig,
+  params,
+  prompt_BP,
+  plen_B,
+  length: int,
+  with_mbp: bool,
+  n_copies: int = 0,
+) -> DecodeState:
+  """``init_state`` for ``length`` bytes, then the prompts (the first ``plen_B`` bytes of each
+  row) fed as one ``fresh`` block; the heads run only where the state needs them."""
+  st = init_state(cfg, params, prompt_BP.shape[0], length, with_mbp, n_copies)
+  st, _ = extend(cfg, params, st, prompt_BP, plen_B, with_mbp, n_copies, True, True)
+  return st
+
+
+def _lca_step(cfg, params, state, blk: _Block, lat: _Latents, new, n_copies, last_only, fresh, out):
   """The LCA-MBP head over its cache for the block (input m = z_up + s_up), plus ``n_copies``
   copies of each row's last real byte (slots length+K.., order length+k_B..)."""
   k = blk.ids_BK.shape[1]
@@ -384,7 +444,7 @@ def _lca_step(cfg, params, state, blk: _Block, lat: _Latents, new, n_copies, las
   rows = _last_rows(blk, last_only)
   if rows is not None and c:  # the last byte, then the copies
     rows = jnp.concatenate([rows, jnp.broadcast_to(k + jnp.arange(c), (rows.shape[0], c))], 1)
-  h_m, mbp = _mbp_stack(cfg, params, state, m, grp, order, key_g, key_ord, rows)
+  h_m, mbp = _mbp_stack(cfg, params, state, m, grp, order, key_g, key_ord, rows, fresh)
   if last_only:  # rows: the last byte, then the copies
     if rows is None:
       h_m = jnp.concatenate([_take(h_m[:, :k], blk.last_B)[:, None], h_m[:, k:]], 1)
@@ -446,10 +506,19 @@ def mbp_window(length_cap: int, n_queries: int) -> int:
 
 
 def _mbp_stack(
-  cfg, params, state: DecodeState, m_BQD, grp_BQ, ord_BQ, key_g_BL, key_ord_BL, rows_BR=None
+  cfg,
+  params,
+  state: DecodeState,
+  m_BQD,
+  grp_BQ,
+  ord_BQ,
+  key_g_BL,
+  key_ord_BL,
+  rows_BR=None,
+  fresh=False,
 ):
   """The LCA-MBP stack over its byte cache for Q queries written at ``state.length`` (outputs
-  only at ``rows_BR`` when given, see ``Stack``).
+  only at ``rows_BR`` when given, see ``Stack``; ``fresh``: an empty cache, see ``extend``).
 
   A query's keys lie in [first byte of group g - 1, query] (docs/design.md §3.2), so the
   block needs only the slots from the first byte of group ``grp[:, 0] - 1`` to its last
@@ -461,12 +530,14 @@ def _mbp_stack(
   length = state.length
   slot = jnp.arange(length_cap)[None, :]
   mask = lambda g_BW, ord_BW: masks.lca_mask(grp_BQ, None, g_BW, None, ord_BQ, ord_BW)
-  run = lambda m, window: _stack(
-    cfg, params, "mbp", m_BQD, ord_BQ, m, state.mbp, length, window, defer=True, rows_BR=rows_BR
+  run = lambda m, window, old=None: _stack(
+    cfg, params, "mbp", m_BQD, ord_BQ, m, state.mbp, length, window, True, rows_BR, old
   )
   full = lambda: run(mask(key_g_BL, key_ord_BL), None)
   w = mbp_window(length_cap, q)
-  if w == length_cap:  # short caches, prefill
+  if fresh:  # nothing cached: the new keys only
+    out, entries = run(mask(key_g_BL, key_ord_BL), None, 0)
+  elif w == length_cap:  # short caches, long blocks
     out, entries = full()
   else:
     # committed group ids are non-decreasing: the trailing bytes of groups >= first query's - 1

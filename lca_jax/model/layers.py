@@ -256,13 +256,15 @@ def cache_values(p_BKGTS, v_BKES):
   return _column_matvecs(v_BKES, p_BKGTS).transpose(0, 3, 1, 2, 4)
 
 
-def cached_attention(q_BTHE, k_BKTE, v_BKET, cache, mask_BTS, start_B):
+def cached_attention(q_BTHE, k_BKTE, v_BKET, cache, mask_BTS, start_B, old_slots=None):
   """Attention of T queries over a KV cache (k [B, K, S, E], v transposed [B, K, E, S]) as it
   will be once the N new keys (``k_BKTE``) and values (``v_BKET``) are written at slots
   ``start_B`` (already clamped so that they fit): the S cache slots under ``mask_BTS``
   [B, T, S], except the N slots being written, which are taken from the new keys instead.
   Usually the queries are the N new positions (T = N); a caller that reads only some of
-  them passes those rows' queries and mask rows (T < N).
+  them passes those rows' queries and mask rows (T < N). ``old_slots`` (static): only the
+  first that many slots can hold keys from earlier calls (0: none, the first block of an empty
+  cache; None: any), so only those are read.
 
   Layouts chosen so that no step moves a cache: both products are matrix-vector products over
   the cache in its stored order (q.K over [S, E] rows, P.V over [E, S] rows; with v stored
@@ -272,22 +274,28 @@ def cached_attention(q_BTHE, k_BKTE, v_BKET, cache, mask_BTS, start_B):
   b, t, h, e = q_BTHE.shape
   kv, s = cache[0].shape[1], cache[0].shape[2]
   n_new = k_BKTE.shape[2]  # new keys: T, or more when only some rows query (``Attention``)
+  n_old = s if old_slots is None else min(old_slots, s)
   q = q_BTHE.reshape(b, t, kv, h // kv, e)
   inv = 1.0 / jnp.sqrt(jnp.float32(e))
-  rel_BS = jnp.arange(s)[None, :] - start_B[:, None]  # slot - first written slot
-  fresh_BS = (rel_BS >= 0) & (rel_BS < n_new)
   # mask columns of the written slots, i.e. the mask of each query against each new key
   cols_BT = start_B[:, None] + jnp.arange(n_new)[None, :]
   new_mask_BTT = jnp.take_along_axis(mask_BTS, jnp.minimum(cols_BT, s - 1)[:, None, :], axis=2)
-  old_mask_BTS = mask_BTS & ~fresh_BS[:, None, :]
-  sc_old = cache_scores(q, cache[0])
-  sc_new = jnp.einsum("btkge,bkne->bkgtn", q, k_BKTE, preferred_element_type=jnp.float32)
-  m_all = jnp.concatenate([old_mask_BTS, new_mask_BTT], axis=-1)[:, None, None]
-  sc = jnp.where(m_all, jnp.concatenate([sc_old, sc_new], axis=-1) * inv, NEG_INF)
+  sc = jnp.einsum("btkge,bkne->bkgtn", q, k_BKTE, preferred_element_type=jnp.float32)
+  m_all = new_mask_BTT
+  if n_old:
+    k_old, v_old = (cache[0][:, :, :n_old], cache[1][..., :n_old]) if n_old < s else cache
+    rel_BS = jnp.arange(n_old)[None, :] - start_B[:, None]  # slot - first written slot
+    fresh_BS = (rel_BS >= 0) & (rel_BS < n_new)
+    old_mask_BTS = mask_BTS[..., :n_old] & ~fresh_BS[:, None, :]
+    sc = jnp.concatenate([cache_scores(q, k_old), sc], axis=-1)
+    m_all = jnp.concatenate([old_mask_BTS, new_mask_BTT], axis=-1)
+  m_all = m_all[:, None, None]
+  sc = jnp.where(m_all, sc * inv, NEG_INF)
   probs = jnp.where(m_all, jax.nn.softmax(sc, axis=-1), 0.0)
-  p_old, p_new = probs[..., :s].astype(cache[1].dtype), probs[..., s:].astype(v_BKET.dtype)
-  out = cache_values(p_old, cache[1])
-  out = out + jnp.einsum("bkgtn,bken->btkge", p_new, v_BKET, preferred_element_type=jnp.float32)
+  p_new = probs[..., n_old:].astype(v_BKET.dtype)
+  out = jnp.einsum("bkgtn,bken->btkge", p_new, v_BKET, preferred_element_type=jnp.float32)
+  if n_old:
+    out = cache_values(probs[..., :n_old].astype(v_old.dtype), v_old) + out
   return out.reshape(b, t, h, e).astype(q_BTHE.dtype)
 
 
@@ -314,6 +322,7 @@ class Attention(nn.Module):
     window_B=None,
     defer_write=False,
     rows_BR=None,
+    old_slots=None,
   ):
     """Self-attention, or attention over a KV cache.
 
@@ -328,6 +337,8 @@ class Attention(nn.Module):
     make XLA copy the caches). ``rows_BR`` [B, R] (indices into T) keeps only those rows'
     outputs, [B, R, D] (a caller that reads only some positions after this layer): all T keys
     and values are still computed (and written); over a cache only those rows query.
+    ``old_slots`` (static, no window): only the cache's first that many slots can hold keys
+    written before this call (0 for the first block of empty caches), the only ones read.
     """
     b, t, d = x_BTD.shape
     h, kv, e = self.n_heads, self.n_kv_heads, self.head_dim
@@ -357,7 +368,7 @@ class Attention(nn.Module):
         )
         window = jnp.clip(window_B, 0, s_len - w)
         att, att_start = (win(cache[0], 1), win(cache[1], 2)), start - window
-      out = cached_attention(q, k_h, v_h, att, mask_BTS, att_start)
+      out = cached_attention(q, k_h, v_h, att, mask_BTS, att_start, old_slots)
       # The writes must come after the reads, or XLA:CPU copies each cache to write it (twice
       # per step): a zero that depends on the attention output orders them (an optimization
       # barrier does not survive XLA:CPU's pipeline). Exact unless the output is not finite.
@@ -406,7 +417,7 @@ class Block(nn.Module):
 
   @nn.compact
   # Not keyword-only: Stack's remat path passes every argument positionally (static_argnums
-  # there count self as 0: kernel is 4, deterministic 7, defer_write 9).
+  # there count self as 0: kernel is 4, deterministic 7, defer_write 9, old_slots 11).
   def __call__(
     self,
     x,
@@ -419,6 +430,7 @@ class Block(nn.Module):
     window_B=None,
     defer_write=False,
     rows_BR=None,
+    old_slots=None,
   ):
     attn = Attention(
       self.n_heads,
@@ -441,6 +453,7 @@ class Block(nn.Module):
       window_B=window_B,
       defer_write=defer_write,
       rows_BR=rows_BR,
+      old_slots=old_slots,
     )
     x = (x if rows_BR is None else take_rows(x, rows_BR)) + y
     y = SwiGLU(self.d_inner, self.dtype, name="mlp")(
@@ -480,14 +493,15 @@ class Stack(nn.Module):
     window_B=None,
     defer_write=False,
     rows_BR=None,
+    old_slots=None,
   ):
     """``rows_BR`` [B, R] keeps only those positions after the last layer (the output is
     [B, R, D]; every layer still computes, and over caches writes, all T positions' keys and
-    values)."""
+    values). ``old_slots``: see ``Attention``."""
     # remat only saves activation memory for a backward pass: decoding (caches) runs plain
     # blocks, whose cache writes may be deferred (``defer_write``) out of a ``lax.cond``
     remat = self.remat and caches is None
-    block_cls = nn.remat(Block, static_argnums=(4, 7, 9)) if remat else Block
+    block_cls = nn.remat(Block, static_argnums=(4, 7, 9, 11)) if remat else Block
     new_caches = []
     for i in range(self.n_layers):
       rows = rows_BR if i == self.n_layers - 1 else None
@@ -504,7 +518,7 @@ class Stack(nn.Module):
       )
       cache = None if caches is None else caches[i]
       if remat:
-        args = (kernel, cache, write_B, deterministic, window_B, defer_write, rows)
+        args = (kernel, cache, write_B, deterministic, window_B, defer_write, rows, old_slots)
         x, kv = blk(x, positions, mask, *args)
       else:
         x, kv = blk(
@@ -518,6 +532,7 @@ class Stack(nn.Module):
           window_B=window_B,
           defer_write=defer_write,
           rows_BR=rows,
+          old_slots=old_slots,
         )
       new_caches.append(kv)
     return x, new_caches
