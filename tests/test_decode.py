@@ -190,21 +190,21 @@ def test_cache_parity_per_step(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["lca", "spacebyte"])
-def test_a_long_block_runs_the_lm_over_its_groups_only(name, monkeypatch):
+def test_a_long_block_runs_the_lm_over_its_groups_only(name):
   """A large block (a prefill) runs the latent LM over the first c of its K slots, c the
   smallest of ``lm_widths`` holding every row's new groups: ragged rows whose close counts
-  pick the narrow and the full width give the full forward's logits and boundaries, and the
-  caches it leaves decode the next bytes like the full forward."""
-  monkeypatch.setattr(incremental, "LM_WIDTHS_FROM_BYTES", 128)  # the tiny block qualifies
+  pick each width give the full forward's logits and boundaries, and the caches it leaves
+  decode the next bytes like the full forward."""
   rng = np.random.default_rng(4)
   b, k, t = 2, 96, 104
-  widths = incremental.lm_widths(b, k)
-  assert widths == (48, k) and incremental.lm_widths(1, k) == (k,)
+  widths = incremental.lm_widths(k)
+  short = incremental.LM_WIDTHS_FROM - 1
+  assert widths == (24, 48, k) and incremental.lm_widths(short) == (short,)
   ids = np.stack([random_ids(rng, t) for _ in range(b)])
   if name == "spacebyte":  # closes follow spaces: few in row 0, one every other byte in row 1
     ids[0, 40:48] = vocab.encode(" ")[0]
     ids[1, 1:k:2] = vocab.encode(" ")[0]
-  biases = (0.0, 6.0) if name == "lca" else (0.0,)
+  biases = (0.0, 0.1, 6.0) if name == "lca" else (0.0,)  # n_new 23, 42, 96 in one row
   picked = set()
   cfg = tiny_model(name).cfg
   ext = jax.jit(lambda p, st, x, ks: incremental.extend(cfg, p, st, x, ks, True))
@@ -231,7 +231,7 @@ def test_a_long_block_runs_the_lm_over_its_groups_only(name, monkeypatch):
       assert_close_rel(out["nt_logits"][r], ref["ntp_logits"][r, rows])
       if cfg.has_lca:
         assert_close_rel(out["mbp_logits"][r], ref["mbp_logits"][r, rows])
-  assert picked == ({48, k} if name == "lca" else {48}), picked
+  assert picked == (set(widths) if name == "lca" else {48}), picked
 
 
 @pytest.mark.parametrize("name", ["lca", "mlp", "spacebyte", "flat"])

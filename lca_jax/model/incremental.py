@@ -228,7 +228,7 @@ def _latents(
     return run
 
   idle = lambda: (jnp.zeros_like(new_s), _kv(cfg, cfg.n_lm, b, k, new_s.dtype))
-  widths = lm_widths(b, k)
+  widths = lm_widths(k)
   if len(widths) == 1:
     z_new, lm_new = jax.lax.cond(jnp.any(closes_BK), lm_over(k), idle)
   else:
@@ -258,21 +258,19 @@ def _latents(
   return _Latents(fields, read(z), read(s), grp, out)
 
 
-# A block of at least LM_WIDTHS_FROM bytes per row and LM_WIDTHS_FROM_BYTES in all (a batched
-# or long prefill) runs the latent LM over the first K/2 of its K slots when they hold every
-# row's new groups: a trained model closes about one group per 1 / bp_prior (3) bytes, and the
-# slots past a row's groups are empty. Smaller blocks keep one width: the second LM the
-# prefill then compiles (~+3 s on a 60M model) would cost more than it saves there.
+# A block of at least LM_WIDTHS_FROM bytes per row (a prefill) runs the latent LM over the
+# first K/4 or K/2 of its K slots when they hold every row's new groups: a trained model closes
+# about one group per 1 / bp_prior (3) bytes, and the slots past a row's groups are empty.
+# Each width is one more LM to compile (docs/design.md §6.5 has the measured trade-off).
 LM_WIDTHS_FROM = 64
-LM_WIDTHS_FROM_BYTES = 4096
 
 
-def lm_widths(rows: int, k: int) -> tuple:
-  """The slot counts the latent LM may run over for a block of ``rows`` x ``k`` bytes (the
-  last is k)."""
-  if k < LM_WIDTHS_FROM or rows * k < LM_WIDTHS_FROM_BYTES:
+def lm_widths(k: int) -> tuple:
+  """The slot counts the latent LM may run over for a block of ``k`` bytes per row, ascending
+  (the last is k): K/4 and K/2 rounded up to a multiple of 8, for long blocks."""
+  if k < LM_WIDTHS_FROM:
     return (k,)
-  return (-(-k // 16) * 8, k)
+  return tuple(sorted({-(-k // (8 * f)) * 8 for f in (4, 2)} - {k})) + (k,)
 
 
 def _pad_slots(z_BCD, entries, k: int):
@@ -345,20 +343,14 @@ def extend(
   rows = _last_rows(blk, last_only)  # what the heads read of the last stack (decoder, or enc.)
   enc_rows = None if cfg.hierarchical else rows
   old = 0 if fresh else None  # byte-cache slots that can hold earlier keys
-  h, enc = _stack(
-    cfg,
-    params,
-    "encoder",
-    x,
-    pos,
-    blk.causal_BKL,
-    state.enc,
-    state.length,
-    None,
-    False,
-    enc_rows,
-    old,
-  )
+
+  def byte_stack(which, x_BKD, caches, rows_BR):
+    mask = blk.causal_BKL
+    return _stack(
+      cfg, params, which, x_BKD, pos, mask, caches, state.length, rows_BR=rows_BR, old_slots=old
+    )
+
+  h, enc = byte_stack("encoder", x, state.enc, enc_rows)
   new = dict(
     ids=write_rows(state.ids, new_ids_BK, state.length), length=state.length + k_B, enc=enc
   )
@@ -373,20 +365,7 @@ def extend(
   new.update(lat.fields)
   out.update(lat.out)
   x_dec = lat.z_up_BKD + h
-  h_nt, new["dec"] = _stack(
-    cfg,
-    params,
-    "decoder",
-    x_dec,
-    pos,
-    blk.causal_BKL,
-    state.dec,
-    state.length,
-    None,
-    False,
-    rows,
-    old,
-  )
+  h_nt, new["dec"] = byte_stack("decoder", x_dec, state.dec, rows)
   h_nt = _head_input(h_nt, blk, last_only, rows)
   every, last_nt = _heads(cfg, params, h_nt, blk, last_only)
   if every is not None:
