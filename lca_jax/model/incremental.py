@@ -512,10 +512,10 @@ def _mbp_stack(
   run = lambda m, window, old=None: _stack(
     cfg, params, "mbp", m_BQD, ord_BQ, m, state.mbp, length, window, True, rows_BR, old
   )
-  full = lambda: run(mask(key_g_BL, key_ord_BL), None)
+  full = lambda old=None: run(mask(key_g_BL, key_ord_BL), None, old)
   w = mbp_window(length_cap, q)
   if fresh:  # nothing cached: the new keys only
-    out, entries = run(mask(key_g_BL, key_ord_BL), None, 0)
+    out, entries = full(0)
   elif w == length_cap:  # short caches, long blocks
     out, entries = full()
   else:
