@@ -452,6 +452,30 @@ def test_eos_stops_and_budget():
   assert len(r.ids[0]) == 5
 
 
+@pytest.mark.parametrize("mode,temperature", [("ntp", 0.0), ("threshold", 0.0), ("verify", 0.8)])
+def test_budgets_that_round_alike_share_one_executable(mode, temperature):
+  """``max_bytes`` is an argument of the executable (``budget_pad_to`` rounds the room it is
+  built for): one compile serves budgets 3, 11 and 16 of a 16-byte room, each call stops at
+  its own budget, and its bytes are those of a call compiled for exactly that budget (sampling
+  too: a step's PRNG keys do not depend on the room)."""
+  model = tiny_model("lca", bp_bias=2.0)
+  rng = np.random.default_rng(9)
+  prompts = [random_ids(rng, 6), random_ids(rng, 14)]
+  kw = dict(mode=mode, n=3, tau=0.5, temperature=temperature, seed=3, ignore_eos=True)
+  model.generate(prompts, max_bytes=16, budget_pad_to=16, **kw)
+  before = engine.compiled_count()
+  shared = {m: model.generate(prompts, max_bytes=m, budget_pad_to=16, **kw) for m in (3, 11, 16)}
+  assert engine.compiled_count() == before  # one room, one executable
+  for m, r in shared.items():
+    exact = model.generate(prompts, max_bytes=m, **kw)  # its own program (room m)
+    assert r.budget == m and r.stop_reasons == ["max_bytes"] * 2
+    for got, want in zip(r.ids, exact.ids):
+      np.testing.assert_array_equal(got, want)
+      assert len(got) == m
+  with pytest.raises(engine.DecodeError, match="budget_pad_to must be >= 1"):
+    model.generate(prompts, max_bytes=4, budget_pad_to=0, **kw)
+
+
 def test_speculative_sampling_matches_next_byte_distribution():
   """verify mode with sampling: the (x1, x2) distribution is the NT head's (chi-square)."""
   model = tiny_model("lca", factor=3.0)

@@ -124,8 +124,10 @@ def test_modes_are_timed_in_alternating_rounds():
   calls = []
 
   class Fake:
-    def generate(self, prompts, mode, max_bytes):
+    def generate(self, prompts, mode, max_bytes, budget_pad_to=1):
       del prompts
+      # the prefill call runs in the full call's executable: its room is the full budget
+      assert budget_pad_to == (1 if max_bytes == 9 else 9), (max_bytes, budget_pad_to)
       calls.append((mode, max_bytes))
       per_step = {"ntp": 0.001, "threshold": 0.002}[mode] * (1 + 0.1 * (len(calls) % 3))
       return SimpleNamespace(
@@ -133,6 +135,7 @@ def test_modes_are_timed_in_alternating_rounds():
         elapsed_s=0.01 + per_step * max_bytes,
         steps=max_bytes,
         ids=[[0] * max_bytes],
+        compile_s=0.0,
       )
 
   kws = {m: dict(mode=m, max_bytes=9) for m in ("ntp", "threshold")}

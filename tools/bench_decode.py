@@ -17,8 +17,9 @@ ntp, threshold and verify modes at each batch size (plus threshold with tau 0, w
 all n bytes per step: the engine's ceiling once the MBP head is confident): bytes/s (all rows
 together, the call's time: prefill included), ``decode_bytes_per_s`` and ``ms_per_step`` of the
 decode steps alone (the call minus a call with ``max_bytes=1``, i.e. prefill + one step, timed
-separately as ``prefill_s``; its cache is a little shorter, so the decode figures lean slow; at
-batch 32 with 256-byte prompts the prefill is most of the call), bytes per step per row,
+separately as ``prefill_s``: the same executable, its byte budget an argument (``generate``'s
+``budget_pad_to``), so one compile per mode and batch size; at batch 32 with 256-byte prompts
+the prefill is most of the call), bytes per step per row,
 acceptance, and from the optimized HLO of the compiled decode loop the ops of one step
 (``decode.hlo_stats.step_stats``: ops, dots, fusions, and the copies of at least the smallest
 KV-cache buffer, count and bytes; there should be none). And the weight-streaming bound
@@ -175,20 +176,26 @@ def model_info(model) -> dict:
   )
 
 
+def _progress(msg: str):
+  """A line on stderr as each phase ends: a run cut short by a timeout shows how far it got."""
+  print(f"bench_decode: {msg}", file=sys.stderr, flush=True)
+
+
 # ---- one measurement --------------------------------------------------------------------------
 def timed_decodes(model, prompts, kws: dict, repeats: int) -> dict:
   """For each mode of ``kws`` (name -> ``generate`` keywords), after a warm-up of them all
   (compiles): the fastest of ``repeats`` calls (``best``), the fastest prefill + one step call
-  (``prefill``: ``max_bytes=1``), and the decode steps' own figures (``ms_per_step``,
+  (``prefill``: ``max_bytes=1`` in the same executable), and the decode steps' own figures (``ms_per_step``,
   ``decode_bytes_per_s``): the call minus the prefill, or the whole call when too few new
   bytes rise above the timing noise (``separable`` False). The modes are timed in alternating
   rounds (each round calls every mode once, then its prefill), so a ratio between two modes
   compares calls made in the same minutes of this (shared, noisy) machine."""
-  one = lambda kw: dict(kw, max_bytes=1)
+  one = lambda kw: dict(kw, max_bytes=1, budget_pad_to=kw["max_bytes"])
   first = {}
   for m, kw in kws.items():  # warm-up (compiles)
     first[m] = model.generate(prompts, **kw)
     model.generate(prompts, **one(kw))
+    _progress(f"{m} at batch {len(prompts)}: compiled in {first[m].compile_s:.1f} s")
   runs, pres = collections.defaultdict(list), collections.defaultdict(list)
   for _ in range(repeats):
     for m, kw in kws.items():
@@ -375,7 +382,9 @@ def main(argv=None):
   # threshold_tau0 accepts every candidate (n bytes per step whatever the model): the engine's
   # ceiling for this n, i.e. what threshold mode delivers once the MBP head is confident
   modes = [m for m in MODES if m in a.modes and (m == "ntp" or model.cfg.has_mbp)]
+  _progress(f"model of {n_params(model)} parameters ready")
   stream = bounds.stream_bandwidth(a.stream_mb or bounds.stream_mb_for(model.cfg), a.stream_repeats)
+  _progress(f"streaming bandwidth {stream['gb_s']:.1f} GB/s")
   out = {
     "checkpoint": a.checkpoint,
     "model": model_info(model),
@@ -426,6 +435,7 @@ def main(argv=None):
       if a.profile:
         row["step_profile"] = step_profile(model, prompts, kw, text)
       out["results"][f"{mode}_b{bsz}"] = row
+      _progress(json.dumps({f"{mode}_b{bsz}": row}))
   naive = None
   if a.naive_bytes:
     naive = naive_bytes_per_s(

@@ -23,6 +23,7 @@ parameters allocated: paper-scale configs on a small machine).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -48,8 +49,9 @@ def _abstract_batch(setup):
   return {"ids": spec(), "segment_ids": spec(), "positions": spec()}
 
 
-def step_costs(setup, group_len=None) -> dict:
-  """Compile the train step (no run) and report its FLOPs and buffers."""
+def step_costs(setup, group_len=None):
+  """Compile the train step (no run): (its FLOPs and buffers, the compiled executable, which
+  the timed steps then run: one compile, as long as a paper-scale step takes on a GPU)."""
   p, cfg = setup.plan, setup.model_cfg
   t0 = time.perf_counter()
   with shd.mesh_context(setup.mesh):
@@ -83,14 +85,20 @@ def step_costs(setup, group_len=None) -> dict:
   )
   out.update(costs.buffers(compiled.as_text(), p.seq_len))
   out["t_by_t_check"] = costs.t_by_t_check(out["t_by_t_buffers"], params, p.seq_len)
-  return out
+  return out, compiled
 
 
-def run_steps(config, setup, steps: int, warmup: int) -> dict:
-  plan = setup.plan
+def _progress(msg: str):
+  """A line on stderr as each phase ends: a run cut short by a timeout shows how far it got."""
+  print(f"bench_train: {msg}", file=sys.stderr, flush=True)
+
+
+def run_steps(config, setup, args) -> dict:
+  plan, steps, warmup = setup.plan, args.steps, args.warmup
   pipe = inputs.make_train_pipeline(config, plan)
   host = [next(pipe) for _ in range(warmup + steps)]
   pipe.close()
+  _progress(f"read {len(host)} batches")
   timed = timing.time_train_steps(setup, host, warmup)
   ms, dt, init_s, warm_s = timed["metrics"], timed["step_s"], timed["init_s"], timed["warmup_s"]
   bpl = sum(float(m.get("bytes_per_latent", 0.0)) for m in ms) / max(len(ms), 1) or None
@@ -142,6 +150,7 @@ def main(argv=None):
   # as lca-train: a CPU host split into mesh.cpu_devices devices (before any backend starts)
   shd.use_cpu_devices(shd.cpu_device_count(config.mesh))
   setup = loop.prepare(config)
+  _progress(f"built the {setup.model_cfg.kind} model and its mesh {dict(setup.mesh.shape)}")
   plan = setup.plan
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(setup.abstract.params))
   out = dict(
@@ -160,9 +169,10 @@ def main(argv=None):
     accum=plan.accum,
     bytes_per_step=plan.bytes_per_step,
   )
-  out["cost"] = step_costs(setup, args.group_len)
+  out["cost"], compiled = step_costs(setup, args.group_len)
+  _progress(f"compiled the step in {out['cost']['compile_s']} s")
   if not args.lower_only:
-    out.update(run_steps(config, setup, args.steps, args.warmup))
+    out.update(run_steps(config, dataclasses.replace(setup, train_step=compiled), args))
   print(json.dumps(out, indent=1))
   return out
 

@@ -17,10 +17,14 @@
 #   GPU_CHECK_BUDGET_S  seconds for all parts together (default 540): a part gets at most
 #                       what is left; parts that no longer fit are listed as skipped
 #   PARTS               the parts to run, in order (default: all, most important first:
-#                       test_kernels bench_kernel bench_train_xla bench_train_pallas
-#                       bench_decode_b1 bench_decode_b32 bench_decode_n6 test_decode
+#                       test_kernels bench_kernel bench_train_pallas bench_decode_b1
+#                       bench_train_xla bench_decode_b32 bench_decode_n6 test_decode
 #                       test_model); a part's JSON is printed when it ends, so each decode
-#                       batch size is a part of its own (a timeout loses one, not all)
+#                       batch size is a part of its own (a timeout loses one, not all); the
+#                       tools write a line to the part's .err as each phase ends
+#   DECODE_MODES        the decode benchmark's modes at n 3 (default ntp,threshold_tau0,verify);
+#                       on the H200 a paper-scale mode's first call compiles for ~30 s, and each
+#                       row's JSON also goes to the part's .err as it ends
 #   GPU_CHECK_CPU=1     rehearsal on a CPU: the same commands at tiny sizes (test files are
 #                       collected, not run), so a session checks the script before it spends
 #                       GPU minutes
@@ -47,9 +51,10 @@ else
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
-ALL="test_kernels bench_kernel bench_train_xla bench_train_pallas bench_decode_b1 bench_decode_b32"
+ALL="test_kernels bench_kernel bench_train_pallas bench_decode_b1 bench_train_xla bench_decode_b32"
 ALL="$ALL bench_decode_n6 test_decode test_model"
 PARTS=${PARTS:-$ALL}
+DECODE_MODES=${DECODE_MODES:-ntp,threshold_tau0,verify}
 for p in $PARTS; do
   case " $ALL " in *" $p "*) ;; *) echo "unknown part $p (one of: $ALL)" >&2; exit 2 ;; esac
 done
@@ -72,6 +77,9 @@ if [ -n "${GPU_CHECK_CPU:-}" ]; then
   DECODE_BATCH=2
 else
   export JAX_PLATFORMS=cuda  # tests/conftest.py defaults to cpu
+  # XLA's GEMM autotuning results, shared by the parts' processes (the first lent run, on
+  # 2026-12-04, saw no paper-scale train or decode result within 150 s / 95 s a part)
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=$OUT/autotune"
   COLLECT=()
   KERNEL=()
   TRAIN_CFG=configs/lca_mbp.py
@@ -103,7 +111,7 @@ part() {  # name limit_s command...: run one part within what is left of the bud
 train() {  # name impl: the paper-scale train step, the largest of TRAIN_ROWS micro-batches that runs
   local name=$1 impl=$2 rows
   for rows in $TRAIN_ROWS; do
-    part "$name" 150 python3 tools/bench_train.py --config "$TRAIN_CFG" "${TRAIN_STEPS[@]}" \
+    part "$name" 200 python3 tools/bench_train.py --config "$TRAIN_CFG" "${TRAIN_STEPS[@]}" \
       "${TRAIN_DATA[@]}" --config.model.attention_impl="$impl" \
       --config.train.micro_batch_size="$rows" --config.train.global_batch_bytes=$((rows * TRAIN_SEQ)) \
       && return 0
@@ -120,10 +128,10 @@ for p in $PARTS; do
     bench_kernel) part "$p" 120 python3 tools/bench_kernel.py "${KERNEL[@]}" ;;
     bench_train_xla) train "$p" xla ;;
     bench_train_pallas) train "$p" pallas ;;
-    bench_decode_b1) part "$p" 90 python3 tools/bench_decode.py "${DECODE[@]}" \
-      --batch 1 --modes ntp,threshold_tau0,verify --n 3 ;;
-    bench_decode_b32) part "$p" 90 python3 tools/bench_decode.py "${DECODE[@]}" \
-      --batch "$DECODE_BATCH" --modes ntp,threshold_tau0,verify --n 3 ;;
+    bench_decode_b1) part "$p" 150 python3 tools/bench_decode.py "${DECODE[@]}" \
+      --batch 1 --modes "$DECODE_MODES" --n 3 ;;
+    bench_decode_b32) part "$p" 120 python3 tools/bench_decode.py "${DECODE[@]}" \
+      --batch "$DECODE_BATCH" --modes "$DECODE_MODES" --n 3 ;;
     bench_decode_n6) part "$p" 60 python3 tools/bench_decode.py "${DECODE[@]}" \
       --batch 1 --modes ntp,threshold_tau0 --n 6 ;;
     test_decode) part "$p" 120 python3 -m pytest -q -x -p no:cacheprovider "${COLLECT[@]}" \

@@ -79,6 +79,7 @@ def check_options(
   top_p: float = 1.0,
   seed: int = 0,
   pad_to: int = 32,
+  budget_pad_to: int = 1,
 ) -> dict:
   """The decoding options of ``generate`` checked (types, ranges, NaN) without a model; returns
   them normalized (Python ints / floats). Raises ``DecodeError`` naming the first bad one.
@@ -86,7 +87,7 @@ def check_options(
   ``mode`` one of ``policies.POLICIES`` (ntp, threshold, verify, drafter and any added with
   ``policies.register``); ``n`` in [2, MAX_N] in the multi-byte modes (ignored in ntp);
   ``max_bytes`` >= 1; ``tau`` in [0, 1]; ``temperature`` >= 0 (0 = greedy); ``top_k`` >= 0
-  (0 = off); ``top_p`` in (0, 1]; ``seed`` and ``pad_to`` (>= 1) integers."""
+  (0 = off); ``top_p`` in (0, 1]; ``seed``, ``pad_to`` and ``budget_pad_to`` (>= 1) integers."""
   if not isinstance(mode, str) or mode not in POLICIES:
     raise DecodeError(f"unknown mode {mode!r}; choose one of {', '.join(POLICIES)}")
   n = _int_arg("n", n)
@@ -115,6 +116,9 @@ def check_options(
   pad_to = _int_arg("pad_to", pad_to)
   if pad_to < 1:
     raise DecodeError(f"pad_to must be >= 1, got {pad_to}")
+  budget_pad_to = _int_arg("budget_pad_to", budget_pad_to)
+  if budget_pad_to < 1:
+    raise DecodeError(f"budget_pad_to must be >= 1, got {budget_pad_to}")
   return dict(
     mode=mode,
     tau=tau,
@@ -125,6 +129,7 @@ def check_options(
     top_p=top_p,
     seed=seed,
     pad_to=pad_to,
+    budget_pad_to=budget_pad_to,
   )
 
 
@@ -132,18 +137,18 @@ def _is_model(m) -> bool:
   return isinstance(getattr(m, "cfg", None), ModelConfig) and hasattr(m, "params")
 
 
-def _finalize(plan: Plan, d_BK, a_B, loop: LoopState):
-  """Cut each row's accepted bytes at eos (unless ignored) and at the byte budget."""
+def _finalize(ctx: Ctx, d_BK, a_B, loop: LoopState):
+  """Cut each row's accepted bytes at eos (unless ignored) and at the call's byte budget."""
   a = jnp.where(loop.done, 0, a_B)
   done = loop.done
-  if not plan.ignore_eos:
+  if not ctx.plan.ignore_eos:
     is_eos = (d_BK == vocab.EOS_ID) & (jnp.arange(d_BK.shape[1])[None] < a[:, None])
     first = jnp.argmax(is_eos, axis=1)
     hit = jnp.any(is_eos, axis=1)
     a = jnp.where(hit, first + 1, a)
     done = done | hit
-  a = jnp.minimum(a, plan.max_bytes - loop.gen)
-  done = done | (loop.gen + a >= plan.max_bytes)
+  a = jnp.minimum(a, ctx.budget - loop.gen)
+  done = done | (loop.gen + a >= ctx.budget)
   return a, done
 
 
@@ -164,7 +169,7 @@ def _step(ctx: Ctx, emit, loop: LoopState) -> LoopState:
   # per step); greedy decoding uses none
   k_draft, k_acc = loop.keys[loop.step]
   prop = plan.policy.propose(ctx, loop, k_draft, k_acc)
-  a, done = _finalize(plan, prop.d_BK, prop.a_B, loop)
+  a, done = _finalize(ctx, prop.d_BK, prop.a_B, loop)
   nxt, acc = plan.policy.commit(ctx, loop, prop, a, done)
   if emit is not None:
     jax.debug.callback(emit, prop.d_BK, a, ordered=True)
@@ -197,11 +202,11 @@ def _params_of(model, plan: Plan):
   return model.params
 
 
-def _run(cfgs, plan: Plan, length: int, emit, params, prompt_BP, plen_B, key, tau, sp):
+def _run(cfgs, plan: Plan, length: int, emit, params, prompt_BP, plen_B, key, tau, budget, sp):
   """Prefill + while_loop. Everything here is traced once per (cfgs, plan, shapes)."""
   cfg, dcfg = cfgs
   p_t, p_d = (_decode_params(plan, p) for p in params)
-  ctx = Ctx(cfg, dcfg, p_t, p_d, plan, tau, sp)
+  ctx = Ctx(cfg, dcfg, p_t, p_d, plan, tau, budget, sp)
   policy = plan.policy
   b = prompt_BP.shape[0]
   st = incremental.prefill(
@@ -440,6 +445,7 @@ def generate(
   ignore_eos: bool = False,
   drafter=None,
   pad_to: int = 32,
+  budget_pad_to: int = 1,
   on_bytes=None,
 ) -> GenerateResult:
   """Decode continuations of ``prompts`` (a str, bytes, id array, or a list of them).
@@ -455,6 +461,13 @@ def generate(
   ``drafter`` is used only in drafter mode (a model from ``lca_jax.load`` with the same
   vocabulary). ``on_bytes(list of per-row id lists)`` is called after every step with the bytes
   it committed (streaming; one host callback per step, so only use it when you want to watch).
+
+  One executable is compiled per (model shape, mode, n, sampling kind, batch size, prompt length
+  rounded up to ``pad_to``, byte room): the room is ``max_bytes`` rounded up to
+  ``budget_pad_to``, and ``max_bytes`` itself is an argument of the executable, so calls whose
+  budgets round to the same room share one program (``budget_pad_to=256``: every budget up to
+  256 bytes in one). A larger room costs a longer cache (each step reads its slots) and nothing
+  else: its extra slots are masked, and each step's PRNG keys do not depend on the room.
   """
   if on_bytes is not None and not callable(on_bytes):
     raise DecodeError(f"on_bytes must be callable, got {type(on_bytes).__name__}")
@@ -473,6 +486,7 @@ def generate(
     top_p=top_p,
     seed=seed,
     pad_to=pad_to,
+    budget_pad_to=budget_pad_to,
   )
   ex = _compiled(req.cfgs, req.plan, req.length, req.args)
   ex.sink.fn = on_bytes
@@ -482,7 +496,7 @@ def generate(
     elapsed = time.perf_counter() - t0
   finally:
     ex.sink.fn = None
-  return _collect(res, req.enc, req.plan, elapsed, ex.compile_s, req.requested)
+  return _collect(res, req.enc, req.plan, elapsed, ex.compile_s, req.budget, req.requested)
 
 
 def compiled_decode(model, prompts, **kw):
@@ -511,7 +525,8 @@ class _Request:
   length: int
   args: tuple
   enc: list
-  requested: int
+  requested: int  # max_bytes as asked
+  budget: int  # max_bytes capped by the context: what each row may generate
 
 
 def _request(
@@ -523,7 +538,7 @@ def _request(
   opts = check_options(**options)
   mode, tau, n, requested = opts["mode"], opts["tau"], opts["n"], opts["max_bytes"]
   temperature, top_k, top_p = opts["temperature"], opts["top_k"], opts["top_p"]
-  seed, pad_to = opts["seed"], opts["pad_to"]
+  seed, pad_to, budget_pad_to = opts["seed"], opts["pad_to"], opts["budget_pad_to"]
   enc = _encode_prompts(prompts)
   _validate(model, mode, n, drafter, enc)
   cfg = model.cfg
@@ -534,19 +549,20 @@ def _request(
     source = "mlp" if (dcfg or cfg).n_mlp_mbp else "lca"
   longest = max(p.size for p in enc)
   limit = min(cfg.max_seq_len, (dcfg or cfg).max_seq_len)
-  max_bytes = byte_budget(requested, longest, limit)
+  budget = byte_budget(requested, longest, limit)
+  room = -(-requested // budget_pad_to) * budget_pad_to  # the budget the program is built for
   plan = Plan(
     mode,
     n if policy.multi_byte else 1,
     temperature == 0,
     bool(ignore_eos),
-    max_bytes,
+    byte_budget(room, longest, limit),
     source,
     stream=stream,
     fuse_projections=bool(fuse_projections),
   )
   p_len = -(-longest // pad_to) * pad_to
-  length = cache_length(longest, requested, plan.width, limit, pad_to)
+  length = cache_length(longest, room, plan.width, limit, pad_to)
   prompt = np.zeros((len(enc), p_len), np.int32)
   for i, p in enumerate(enc):
     prompt[i, : p.size] = p
@@ -562,28 +578,28 @@ def _request(
     jnp.asarray(plen),
     jax.random.PRNGKey(seed),
     jnp.float32(tau),
+    jnp.int32(budget),
     sp,
   )
-  return _Request((cfg, dcfg), plan, length, args, enc, requested)
+  return _Request((cfg, dcfg), plan, length, args, enc, requested, budget)
 
 
-def _stop_reason(g: np.ndarray, plan: Plan, requested: int) -> str:
+def _stop_reason(g: np.ndarray, plan: Plan, budget: int, requested: int) -> str:
   if not plan.ignore_eos and g.size and int(g[-1]) == vocab.EOS_ID:
     return "eos"
-  if g.size >= plan.max_bytes:
-    return "max_bytes" if plan.max_bytes >= requested else "context"
+  if g.size >= budget:
+    return "max_bytes" if budget >= requested else "context"
   return "steps"
 
 
-def _collect(res, enc, plan: Plan, elapsed, compile_s, requested=None) -> GenerateResult:
-  requested = plan.max_bytes if requested is None else requested
+def _collect(res, enc, plan: Plan, elapsed, compile_s, budget: int, requested: int):
   ids, texts, bds, pbds, per_step, reasons = [], [], [], [], [], []
   steps = int(res["steps"])
   hist = {}
   for i, p in enumerate(enc):
     g = res["ids"][i, p.size : res["length"][i]]
     ids.append(g)
-    reasons.append(_stop_reason(g, plan, requested))
+    reasons.append(_stop_reason(g, plan, budget, requested))
     texts.append(vocab.decode(g))
     pbds.append(res["boundaries"][i, : p.size])
     bds.append(res["boundaries"][i, p.size : res["length"][i]])
@@ -607,5 +623,5 @@ def _collect(res, enc, plan: Plan, elapsed, compile_s, requested=None) -> Genera
     compile_s=compile_s,
     steps=steps,
     stop_reasons=reasons,
-    budget=plan.max_bytes,
+    budget=budget,
   )

@@ -41,7 +41,10 @@ class Plan:
   n: int  # bytes proposed per step (1 in ntp)
   greedy: bool
   ignore_eos: bool
-  max_bytes: int
+  # bytes the program has room for (its step bound, per-step arrays and PRNG keys); each call
+  # passes its own byte budget (<= capacity) as a traced argument (``Ctx.budget``), so calls
+  # whose budgets round to the same capacity share one executable (``budget_pad_to``)
+  capacity: int
   source: str  # where candidates come from: "lca", "mlp" or "" (ntp)
   stream: bool = False  # call the host sink with each step's committed bytes
   # decode with fused q/k/v and gate/up kernels (``layers.fuse_decode_params``); False only
@@ -54,7 +57,7 @@ class Plan:
 
   @property
   def max_steps(self) -> int:
-    return 2 * self.max_bytes + 2
+    return 2 * self.capacity + 2
 
   @property
   def copies_in_extend(self) -> int:
@@ -76,6 +79,7 @@ class Ctx:
   dparams: Any
   plan: Plan
   tau: jax.Array
+  budget: jax.Array  # [] int32 bytes each row may generate in this call (<= plan.capacity)
   sp: SamplingParams
 
 

@@ -111,14 +111,17 @@ def use_cpu_devices(n: int) -> int:
   """Ask jax for ``n`` CPU devices (``jax_num_cpu_devices``) before its backends start.
 
   Returns the count jax will give: ``XLA_FLAGS=--xla_force_host_platform_device_count``
-  (tests, users) takes precedence, and once a backend has started the count is fixed."""
-  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-    return len(jax.devices("cpu"))
+  (tests, users) takes precedence, and once a backend has started the count is fixed. 0 where
+  jax runs without its CPU backend (``JAX_PLATFORMS=cuda``, say)."""
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    try:
+      jax.config.update("jax_num_cpu_devices", int(n))
+    except RuntimeError:  # backends already initialised
+      pass
   try:
-    jax.config.update("jax_num_cpu_devices", int(n))
-  except RuntimeError:  # backends already initialised
-    pass
-  return len(jax.devices("cpu"))
+    return len(jax.devices("cpu"))
+  except RuntimeError:  # no CPU backend in JAX_PLATFORMS
+    return 0
 
 
 def make_mesh(
