@@ -194,6 +194,18 @@ def test_step_op_kinds_names_the_loop_body_ops():
   assert {"dot", "cache_dot"} <= set(kinds.values())
 
 
+def test_hlo_step_without_a_decode_loop_is_reported_not_raised():
+  """Another backend's optimized HLO whose decode loop is not found (a GPU's may differ) gives
+  an error entry, so the timed rows of a long run are kept."""
+  tool = _tool()
+  model = tool.random_model(
+    tool.model_config(None, (), d_model=32, d_inner=64, n_heads=2, layers="1,1,1,1")
+  )
+  text = "HloModule m\n\nENTRY %main (p: f32[2]) -> f32[2] {\n  %p = f32[2] parameter(0)\n}\n"
+  out = tool.hlo_step(model, ["abc"], text, 40)
+  assert out == {"error": "no while loop reachable from the entry computation"}
+
+
 def test_model_sources():
   tool = _tool()
   a = tool.parse_args(SHAPE + ["--n-kv-heads", "1"])

@@ -249,7 +249,10 @@ def hlo_step(model, prompts, text, length) -> dict:
   """Ops of one compiled decode step (the loop body of the optimized HLO ``text``) and its
   cache-sized copies."""
   min_copy = bounds.min_cache_bytes(model.cfg, len(prompts), length)
-  st = hlo_stats.step_stats(text, min_copy)
+  try:
+    st = hlo_stats.step_stats(text, min_copy)
+  except ValueError as e:  # another backend's HLO whose decode loop is not found: the timings stand
+    return {"error": str(e)}
   return dict(
     ops=st["ops"],
     dots=st["dots"],
