@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -15,9 +16,9 @@ from lca_jax.decode.engine import DecodeError
 from lca_jax.errors import LoadError
 from lca_jax.interop import upstream
 from lca_jax.interop.errors import CheckpointError
-from lca_jax.model.config import ModelConfig
+from lca_jax.model.config import DTYPES, ModelConfig
 from lca_jax.model.hierarchical import ByteLM, init_params
-from lca_jax.model.layers import fuse_decode_params
+from lca_jax.model.layers import compute_dtype_weights, fuse_decode_params
 from lca_jax.train import checkpoint
 
 __all__ = ["LoadError", "Model", "load", "load_upstream"]
@@ -42,10 +43,13 @@ class Model:
     """``params`` plus the fused q/k/v and gate/up kernels decoding uses
     (``layers.fuse_decode_params``), built on first use and kept while ``params`` is the same
     object: a generate call then copies no weight (building them per call cost ~12 ms on the
-    11M model, what ~40 batch-1 steps save). Memory: the fused kernels are ~70% of each
-    layer's weights more."""
+    11M model, what ~40 batch-1 steps save), with the weights every use casts to the compute
+    dtype stored in it (``layers.compute_dtype_weights``; a bfloat16 model's decode steps read
+    half the bytes). Memory: the fused kernels are ~70% of each layer's weights more; with a
+    bfloat16 ``cfg.dtype`` the whole tree is a bfloat16 copy beside the float32 params."""
     if self._decode_params is None or self._decode_params[0] is not self.params:
-      self._decode_params = (self.params, jax.jit(fuse_decode_params)(self.params))
+      build = lambda p: compute_dtype_weights(fuse_decode_params(p), self.cfg.dtype)
+      self._decode_params = (self.params, jax.jit(build)(self.params))
     return self._decode_params[1]
 
   def __repr__(self):
@@ -119,10 +123,22 @@ def _param_shapes(cfg: ModelConfig):
   return jax.tree_util.tree_map(lambda x: x.shape, abstract)
 
 
-def load(path: str, step: Optional[int] = None) -> Model:
+def load(path: str, step: Optional[int] = None, dtype: Optional[str] = None) -> Model:
   """Load a model for inference from the paper's PyTorch layout (config.json +
-  model.safetensors) or from an lca-train work directory (latest checkpoint, or ``step``)."""
-  path = os.fspath(path)
+  model.safetensors) or from an lca-train work directory (latest checkpoint, or ``step``).
+  ``dtype`` (one of ``config.DTYPES``) replaces the checkpoint's compute dtype: float32 for a
+  bfloat16 checkpoint on a CPU, whose XLA computes bfloat16 dots in float32 after converting
+  the operands every step (docs/design.md §6.5)."""
+  if dtype is not None and dtype not in DTYPES:
+    raise LoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+  model = _load(os.fspath(path), step)
+  if dtype is None or dtype == model.cfg.dtype:
+    return model
+  cfg = dataclasses.replace(model.cfg, dtype=dtype)
+  return Model(cfg, model.params, source=model.source, extras=model.extras)
+
+
+def _load(path: str, step: Optional[int]) -> Model:
   if not os.path.exists(path):
     raise LoadError(f"checkpoint path does not exist: {path}")
   if not os.path.isdir(path):

@@ -16,6 +16,7 @@ import json  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -132,6 +133,28 @@ def test_sample_bad_options(tiny_dir, capsys, argv, words):
   rc = sample_cli.main(["--checkpoint", tiny_dir, "--prompt", "ab"] + argv)
   assert rc == 2
   _one_line_error(capsys.readouterr().err, *words)
+
+
+def test_load_with_another_compute_dtype(tiny_dir, capsys):
+  """``load(dtype=)`` / ``lca-sample --dtype``: the same float32 parameters under another
+  compute dtype (a bfloat16 checkpoint decodes in float32 on a CPU); a dtype outside
+  ``DTYPES`` is a LoadError naming it, and argparse refuses it in the CLI (exit 2)."""
+  base = lca_jax.load(tiny_dir)
+  bf = lca_jax.load(tiny_dir, dtype="bfloat16")
+  assert base.cfg.dtype == "float32" and bf.cfg.dtype == "bfloat16"
+  assert jax.tree_util.tree_all(
+    jax.tree_util.tree_map(lambda a, b: bool(np.array_equal(a, b)), base.params, bf.params)
+  )
+  assert lca_jax.load(tiny_dir, dtype="float32").cfg == base.cfg
+  with pytest.raises(lca_jax.LoadError, match="dtype must be one of float32, bfloat16, got 'f16'"):
+    lca_jax.load(tiny_dir, dtype="f16")
+  argv = ["--checkpoint", tiny_dir, "--prompt", "ab", "--max-bytes", "3", "--ignore-eos"]
+  assert sample_cli.main(argv + ["--dtype", "bfloat16", "--json"]) == 0
+  rec = _strict_loads(capsys.readouterr().out.splitlines()[0])
+  assert len(rec["ids"]) == 3
+  with pytest.raises(SystemExit) as e:
+    sample_cli.main(argv + ["--dtype", "f16"])
+  assert e.value.code == 2 and "--dtype" in capsys.readouterr().err
 
 
 def test_sample_unreadable_prompt_file(tiny_dir, tmp_path, capsys):

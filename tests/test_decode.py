@@ -1,6 +1,7 @@
 """The decode engine against the uncached full forward (never against itself)."""
 
 import os
+import re
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -474,6 +475,49 @@ def test_budgets_that_round_alike_share_one_executable(mode, temperature):
       assert len(got) == m
   with pytest.raises(engine.DecodeError, match="budget_pad_to must be >= 1"):
     model.generate(prompts, max_bytes=4, budget_pad_to=0, **kw)
+
+
+def _weight_casts(model, prompts, **kw):
+  """float32 -> bfloat16 converts of a weight's shape in the (unoptimized) decode program."""
+  req = engine._request(model, prompts, **kw)  # pylint: disable=protected-access
+  run = lambda *a: engine._run(req.cfgs, req.plan, req.length, None, *a)  # pylint: disable=protected-access
+  text = jax.jit(run).lower(*req.args).as_text()
+  shapes = {
+    "x".join(map(str, x.shape)) for x in jax.tree_util.tree_leaves(model.params) if x.ndim == 2
+  }
+  casts = re.findall(
+    r"stablehlo\.convert %\S+ : \(tensor<(\d+x\d+)xf32>\) -> tensor<\1xbf16>", text
+  )
+  return [c for c in casts if c in shapes]
+
+
+@pytest.mark.parametrize("name", ["lca", "mlp"])
+def test_a_bfloat16_model_decodes_from_bfloat16_weights(name, monkeypatch):
+  """The weights every use casts to the compute dtype reach the decode program in it (no
+  float32 weight is converted inside; a step reads 2 bytes per weight), and the bytes,
+  boundaries and acceptance are those of the float32 weights cast at each use."""
+  base = tiny_model(name, bp_bias=2.0)
+  model = Model(dataclasses.replace(base.cfg, dtype="bfloat16"), base.params)
+  rng = np.random.default_rng(11)
+  prompts = [random_ids(rng, 9), random_ids(rng, 15)]
+  runs = [("ntp", {}), ("threshold", dict(tau=0.3)), ("verify", dict(temperature=0.7, seed=2))]
+  kept = {}
+  for mode, extra in runs:
+    kw = dict(mode=mode, n=3, max_bytes=10, ignore_eos=True, **extra)
+    assert _weight_casts(model, prompts, **kw) == [], mode
+    kept[mode] = model.generate(prompts, **kw)
+  identity = lambda params, dtype: params
+  monkeypatch.setattr(engine, "compute_dtype_weights", identity)
+  monkeypatch.setattr(lca_jax.api, "compute_dtype_weights", identity)
+  plain = Model(model.cfg, base.params)  # its decode tree built without the cast
+  for mode, extra in runs:
+    kw = dict(mode=mode, n=3, max_bytes=10, ignore_eos=True, **extra)
+    assert _weight_casts(plain, prompts, **kw), mode  # float32 weights converted inside
+    want = plain.generate(prompts, **kw)
+    got = kept[mode]
+    for g, w in zip(got.ids + got.boundaries, want.ids + want.boundaries):
+      np.testing.assert_array_equal(g, w)
+    assert got.accepted_per_step == want.accepted_per_step, mode
 
 
 def test_speculative_sampling_matches_next_byte_distribution():

@@ -1,6 +1,8 @@
 """lca_jax.decode.bounds: bytes a decode step must read, the cache sizes it assumes (checked
 against the engine), and the streaming-bandwidth measurement (tiny)."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -51,6 +53,23 @@ def test_param_counts_cover_the_model():
   assert {"encoder", "lm", "decoder", "mbp", "head", "token_embedding"} <= set(
     bounds.param_counts(LCA)
   )
+
+
+def test_param_bytes_are_those_decoding_reads():
+  """float32: 4 bytes a parameter; bfloat16: the bytes of the tree decoding runs with (the
+  model's own ``decode_params``): the matrices at 2 bytes, norms and the boundary predictor 4."""
+  assert bounds.param_bytes(LCA) == {k: 4 * n for k, n in bounds.param_counts(LCA).items()}
+  bf = dataclasses.replace(LCA, dtype="bfloat16")
+  got, counts = bounds.param_bytes(bf), bounds.param_counts(bf)
+  tree = _model(bf).decode_params()
+  for k, n in got.items():
+    leaves = jax.tree_util.tree_leaves_with_path(tree[k])
+    fused = ("qkv_kernel", "gate_up_kernel")  # decoding reads these instead of their parts
+    read = [x for p, x in leaves if not any(getattr(q, "key", None) in fused for q in p)]
+    assert n == sum(x.size * x.dtype.itemsize for x in read), k
+  assert got["boundary_predictor"] == 4 * counts["boundary_predictor"]
+  assert got["token_embedding"] == 2 * counts["token_embedding"]
+  assert 2 * counts["encoder"] < got["encoder"] < 2.1 * counts["encoder"]  # + norm scales
 
 
 def test_stream_probe_is_the_model_size():

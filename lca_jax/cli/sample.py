@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--ignore-eos", action="store_true")
   p.add_argument(
+    "--dtype",
+    choices=["float32", "bfloat16"],
+    help="compute dtype (default: the checkpoint's); on a CPU decode a bfloat16 checkpoint in "
+    "float32: XLA:CPU computes bfloat16 dots in float32 anyway, after converting every step",
+  )
+  p.add_argument(
     "--show-boundaries",
     action="store_true",
     help="print the prompt and output with '|' after each byte that closes a group",
@@ -173,8 +179,8 @@ def _main(args) -> int:
     fail("--mode drafter needs --drafter DIR")
   if args.stream and (len(prompts) > 1 or args.json or args.show_boundaries):
     fail("--stream prints one prompt as text; drop --json/--show-boundaries or use --prompt")
-  model = api.load(args.checkpoint)
-  drafter = api.load(args.drafter) if args.mode == "drafter" else None
+  model = api.load(args.checkpoint, dtype=args.dtype)
+  drafter = api.load(args.drafter, dtype=args.dtype) if args.mode == "drafter" else None
   streamer = None
   if args.stream:
     streamer = _Streamer()

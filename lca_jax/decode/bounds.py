@@ -16,9 +16,11 @@ Xeon test host (2026-12-04), where the probe then gave 46 GB/s while the 374M mo
 563 MB of weights from DRAM, ran at 25 GB/s (its probe at 1.5 GB: see design §6.5).
 
 Bytes one step must read (``step_read_bytes``), per mode at batch B, W bytes fed per row
-(1 in ntp, n in threshold / verify), parameters at their stored size (float32):
+(1 in ntp, n in threshold / verify), weights at the size decoding stores them
+(``param_bytes``: the weight matrices and the embedding in the compute dtype,
+``layers.compute_dtype_weights``; norms and the boundary predictor float32):
 
-  params = embedding rows used  min(B * W, vocab_size) * d_model * 4
+  params = embedding rows used  min(B * W, vocab_size) * d_model * itemsize(cfg.dtype)
          + encoder + boundary predictor + decoder + final norm + head    (every step)
          + f_lm * latent LM stack                                        (only when a group closes)
          + LCA-MBP stack + MLP-MBP heads                                 (threshold / verify)
@@ -56,8 +58,9 @@ from lca_jax.decode.policies import POLICIES
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import init_params
 from lca_jax.model.incremental import mbp_window
+from lca_jax.model.layers import compute_dtype_weights
 
-PARAM_ITEMSIZE = 4  # parameters stay float32 (ModelConfig.dtype is the compute dtype)
+PARAM_ITEMSIZE = 4  # parameters are stored float32 (ModelConfig.dtype is the compute dtype)
 MIN_STREAM_MB = 16.0  # smallest probe: a few MB would measure one core's L2
 
 
@@ -112,10 +115,18 @@ def stream_bandwidth(matrix_mb: float = 128.0, repeats: int = 5, chain: int = 8,
 # ---- bytes per step -------------------------------------------------------------------------
 @functools.lru_cache(maxsize=32)
 def _group_params(cfg: ModelConfig):
-  abstract = jax.eval_shape(lambda: nn.unbox(init_params(cfg, jax.random.PRNGKey(0), seq_len=8)))
+  """(group, parameters, bytes as decoding stores them) per top-level group."""
+  decode_tree = lambda: compute_dtype_weights(
+    nn.unbox(init_params(cfg, jax.random.PRNGKey(0), seq_len=8)), cfg.dtype
+  )
+  leaves = lambda v: jax.tree_util.tree_leaves(v)
   return tuple(
-    (k, int(sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(v))))
-    for k, v in abstract.items()
+    (
+      k,
+      int(sum(int(np.prod(x.shape)) for x in leaves(v))),
+      int(sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves(v))),
+    )
+    for k, v in jax.eval_shape(decode_tree).items()
   )
 
 
@@ -123,7 +134,13 @@ def param_counts(cfg: ModelConfig) -> dict:
   """Parameters per top-level group of the model (``encoder``, ``lm``, ``decoder``, ``mbp``,
   ``head``, ``token_embedding``, ``boundary_predictor``, ``mlp_mbp_i``, ...), from the config
   (nothing allocated)."""
-  return dict(_group_params(cfg))
+  return {k: n for k, n, _ in _group_params(cfg)}
+
+
+def param_bytes(cfg: ModelConfig) -> dict:
+  """Bytes per top-level group as decoding stores them (``layers.compute_dtype_weights``: the
+  float32 size for a float32 model, about half for a bfloat16 one)."""
+  return {k: b for k, _, b in _group_params(cfg)}
 
 
 def stream_mb_for(cfg: ModelConfig) -> float:
@@ -164,7 +181,7 @@ def step_read_bytes(
 ) -> dict:
   """Bytes one decode step must read (see the module docstring): ``params``, ``kv``, ``total``,
   the ``lm_fraction`` used and the ``groups`` of parameters counted (name -> bytes)."""
-  groups = param_counts(cfg)
+  groups = param_bytes(cfg)
   multi = POLICIES[mode].target_mbp  # the step runs the model's own multi-byte head
   k = float(width if bytes_per_step is None else bytes_per_step)
   f_lm = lm_fraction(latents_per_byte, k, batch) if cfg.hierarchical else 0.0
@@ -172,16 +189,16 @@ def step_read_bytes(
   for name, n in groups.items():
     if name == "token_embedding":
       rows = min(batch * width, cfg.vocab_size)
-      counted[name] = rows * cfg.d_model * PARAM_ITEMSIZE
+      counted[name] = n * rows / cfg.vocab_size  # n: the whole table
     elif name == "lm":
-      counted[name] = f_lm * n * PARAM_ITEMSIZE
+      counted[name] = f_lm * n
     elif name == "mbp" or name.startswith("mlp_mbp"):
       if multi:
-        counted[name] = n * PARAM_ITEMSIZE
+        counted[name] = n
     elif name == "null_group":
       continue  # read once, by init_state
     else:  # encoder, boundary_predictor, decoder, norm, head
-      counted[name] = n * PARAM_ITEMSIZE
+      counted[name] = n
   per_slot = 2 * batch * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
   slots = cfg.n_enc * length
   if cfg.hierarchical:

@@ -25,7 +25,7 @@ from lca_jax.decode.sampling import SamplingParams
 from lca_jax.errors import LcaError
 from lca_jax.model import incremental
 from lca_jax.model.config import ModelConfig
-from lca_jax.model.layers import fuse_decode_params
+from lca_jax.model.layers import compute_dtype_weights, fuse_decode_params
 
 MAX_N = 64  # most bytes proposed per step (``n``) in the multi-byte modes
 STOP_REASONS = ("eos", "max_bytes", "context", "steps")
@@ -183,14 +183,20 @@ def _step(ctx: Ctx, emit, loop: LoopState) -> LoopState:
   )
 
 
-def _decode_params(plan: Plan, params):
+def _decode_params(plan: Plan, params, dtype):
   """The parameters the decode runs with: with ``plan.fuse_projections``, plus the fused
   q/k/v and gate/up kernels of ``layers.fuse_decode_params`` (3 dots fewer per layer; 11M
   model, batch-1 ntp: 0.3 ms less per step). An ``api.Model`` passes them built once
   (``decode_params``): nothing happens here. Another model object gets them built here, once
   per call (~12 ms on the 11M model), never inside the loop, where the latent LM's and the
-  MBP window's ``lax.cond`` branches would copy them every step."""
-  return fuse_decode_params(params) if plan.fuse_projections and params is not None else params
+  MBP window's ``lax.cond`` branches would copy them every step. The weights that every use
+  casts to the compute ``dtype`` are stored in it (``layers.compute_dtype_weights``): a
+  bfloat16 model's steps read them at 2 bytes each."""
+  if params is None:
+    return None
+  return compute_dtype_weights(
+    fuse_decode_params(params) if plan.fuse_projections else params, dtype
+  )
 
 
 def _params_of(model, plan: Plan):
@@ -205,7 +211,8 @@ def _params_of(model, plan: Plan):
 def _run(cfgs, plan: Plan, length: int, emit, params, prompt_BP, plen_B, key, tau, budget, sp):
   """Prefill + while_loop. Everything here is traced once per (cfgs, plan, shapes)."""
   cfg, dcfg = cfgs
-  p_t, p_d = (_decode_params(plan, p) for p in params)
+  p_t = _decode_params(plan, params[0], cfg.dtype)
+  p_d = _decode_params(plan, params[1], dcfg.dtype) if dcfg is not None else None
   ctx = Ctx(cfg, dcfg, p_t, p_d, plan, tau, budget, sp)
   policy = plan.policy
   b = prompt_BP.shape[0]

@@ -93,6 +93,39 @@ def fuse_decode_params(params):
   return out
 
 
+# Weights every use casts to the compute dtype first (``Dense`` kernels, ``nn.Embed``'s table
+# and the fused kernels made of them), except under the scopes that compute in float32 whatever
+# the model's dtype (the boundary predictor's MLP).
+_COMPUTE_WEIGHTS = frozenset({"kernel", "embedding", QKV_KERNEL, GATE_UP_KERNEL})
+_FLOAT32_SCOPES = frozenset({"boundary_predictor"})
+
+
+def compute_dtype_weights(params, dtype):
+  """``params`` with the weights that every use casts to the compute ``dtype`` (dense and fused
+  kernels, the embedding table; not norms, biases, the null group or the boundary predictor)
+  stored in ``dtype``. Exact: each use would make the same cast. For decoding, where a
+  bfloat16 model's step then reads 2 bytes per weight instead of 4: XLA leaves a cast of a
+  loop-invariant weight inside the decode loop's body (seen on XLA:CPU: 32 weight-size
+  float32 -> bfloat16 converts per step of a 60M model). A float32 ``dtype`` returns
+  ``params`` itself."""
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.float32:
+    return params
+
+  def walk(tree):
+    out = {}
+    for k, v in tree.items():
+      if isinstance(v, Mapping):
+        out[k] = v if k in _FLOAT32_SCOPES else walk(v)
+      elif k in _COMPUTE_WEIGHTS:
+        out[k] = jnp.asarray(nn.unbox(v)).astype(dtype)
+      else:
+        out[k] = v
+    return out
+
+  return walk(params) if isinstance(params, Mapping) else params
+
+
 def split_dense(x, kernel_IO, sizes: Sequence[int], dtype):
   """``Dense`` with a fused kernel [in, sum(sizes)]: one dot, split into one output per part
   (each [..., size]), as ``Dense`` computes it (flattened rows, compute in ``dtype``)."""
