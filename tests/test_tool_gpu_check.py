@@ -123,7 +123,10 @@ def test_rehearsal(tmp_path, monkeypatch):
   for p in PARTS:
     assert (out / f"{p}.out").is_file() and (out / f"{p}.err").is_file(), p
   work = tmp_path / "work"
-  assert [c[0] for c in calls] == ["nvidia-smi"] + ["python3"] * (1 + len(PARTS))
+  # the device line, each part, the closing summary of the benchmarks' figures
+  assert [c[0] for c in calls] == ["nvidia-smi"] + ["python3"] * (2 + len(PARTS))
+  assert calls[-1][3] == ["-", str(out)]
+  calls = calls[:-1]
   assert calls[1][3][0] == "-c" and "jax.devices()" in calls[1][3][1]  # gpu.txt's device line
   ran = []
   for prog, pythonpath, platforms, argv in calls[2:]:
@@ -171,7 +174,7 @@ def test_parts_and_budget(tmp_path):
   proc, calls, out = _rehearse(tmp_path / "b", env={"GPU_CHECK_BUDGET_S": "5"})
   assert proc.returncode == 0, proc.stderr
   assert set(_summary(out).values()) == {"skipped"} and list(_summary(out)) == PARTS
-  assert [c[0] for c in calls] == ["nvidia-smi", "python3"]  # only the device line
+  assert [c[0] for c in calls] == ["nvidia-smi", "python3", "python3"]  # device line, summary
   proc, calls, out = _rehearse(tmp_path / "c", env={"PARTS": "bench_kernel nope"})
   assert proc.returncode == 2 and "unknown part nope" in proc.stderr
   assert calls == []
@@ -256,4 +259,8 @@ def test_cpu_mode_runs_for_real(tmp_path):
   assert train["step_time_s"] > 0 and train["bytes_per_s"] > 0
   decode = json.loads((out / "bench_decode_n6.out").read_text())
   assert decode["n"] == 6 and set(decode["results"]) == {"ntp_b1", "threshold_tau0_b1"}
+  # the output ends with each benchmark's figures, one line each
+  assert f"bench_train_xla: xla micro-batch {train['micro_batch']}: step " in proc.stdout
+  for key in ("ntp_b1", "threshold_tau0_b1"):
+    assert f"bench_decode_n6: {key}: {decode['results'][key]['bytes_per_s']} bytes/s" in proc.stdout
   assert "tests collected" in (out / "test_kernels.out").read_text()

@@ -80,7 +80,7 @@ else
   export JAX_PLATFORMS=cuda  # tests/conftest.py defaults to cpu
   # XLA's GEMM autotuning results, shared by the parts' processes (the first lent run, on
   # 2026-12-04, saw no paper-scale train or decode result within 150 s / 95 s a part)
-  export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=$OUT/autotune"
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/gpu_check_autotune"
   COLLECT=()
   KERNEL=()
   TRAIN_CFG=configs/lca_mbp.py
@@ -145,4 +145,33 @@ cat "$OUT/gpu.txt" "$OUT/summary.txt"
 for p in test_kernels test_decode test_model; do
   [ -f "$OUT/$p.out" ] && tail -n 3 "$OUT/$p.out"
 done
+# the figures of the benchmark parts that printed their JSON, one line each (the end of the
+# output is what a remote runner shows first)
+python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "bench_*.out"))):
+  name = os.path.basename(path)[:-4]
+  try:
+    d = json.load(open(path))
+  except (OSError, ValueError):
+    continue
+  if "results" in d and "best_pallas" in d:  # bench_kernel
+    r = d["results"]
+    keys = [d["best_pallas"], "xla_dense", "sdpa_causal"]
+    ms = ", ".join(f"{k} {r[k]['fwd_ms']:.3g}/{r[k]['fwd_bwd_ms']:.3g}" for k in keys if k in r)
+    print(f"{name}: fwd/fwd+bwd ms: {ms}")
+  elif "step_time_s" in d:  # bench_train
+    mfu = d.get("mfu")
+    print(
+      f"{name}: {d['attention_impl']} micro-batch {d['micro_batch']}: step {d['step_time_s']:.3f} s,"
+      f" {d['bytes_per_s']:.0f} bytes/s, MFU {mfu if mfu is None else round(mfu, 3)},"
+      f" compile {d['cost']['compile_s']} s"
+    )
+  elif "results" in d:  # bench_decode
+    for k, r in d["results"].items():
+      print(
+        f"{name}: {k}: {r['bytes_per_s']} bytes/s, {r.get('ms_per_step')} ms/step"
+        f" (bound {r.get('bound_ms_per_step')}), compile {r.get('compile_s')} s"
+      )
+PY
 exit 0
