@@ -19,9 +19,11 @@
 #   PARTS               the parts to run, in order (default: all, most important first:
 #                       test_kernels bench_kernel bench_train_pallas bench_decode_b1
 #                       bench_train_xla bench_decode_b32 bench_decode_n6
-#                       bench_decode_graphs test_decode test_model); a part's JSON is printed when it ends, so each decode
-#                       batch size is a part of its own (a timeout loses one, not all); the
-#                       tools write a line to the part's .err as each phase ends
+#                       bench_decode_graphs test_decode test_model); a part's JSON is printed
+#                       when it ends, so each decode batch size is a part of its own (a
+#                       timeout loses one, not all); the tools write a line to the part's .err
+#                       as each phase ends, and the script ends with one line of figures per
+#                       benchmark part
 #   DECODE_MODES        the decode benchmark's modes at n 3 (default ntp,threshold_tau0,verify);
 #                       each mode compiles one paper-scale program first (the first lent run
 #                       saw no mode finish within 95 s when each compiled two), and each
@@ -170,8 +172,8 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "bench_*.out"))):
   elif "step_time_s" in d:  # bench_train
     mfu = d.get("mfu")
     print(
-      f"{name}: {d['attention_impl']} micro-batch {d['micro_batch']}: step {d['step_time_s']:.3f} s,"
-      f" {d['bytes_per_s']:.0f} bytes/s, MFU {mfu if mfu is None else round(mfu, 3)},"
+      f"{name}: {d['attention_impl']} micro-batch {d['micro_batch']}:"
+      f" step {d['step_time_s']:.3f} s, {d['bytes_per_s']:.0f} bytes/s, MFU {mfu if mfu is None else round(mfu, 3)},"
       f" compile {d['cost']['compile_s']} s"
     )
   elif "results" in d:  # bench_decode
