@@ -599,7 +599,9 @@ def _stop_reason(g: np.ndarray, plan: Plan, budget: int, requested: int) -> str:
   return "steps"
 
 
-def _collect(res, enc, plan: Plan, elapsed, compile_s, budget: int, requested: int):
+def _collect(
+  res, enc, plan: Plan, elapsed, compile_s, budget: int, requested: int
+) -> GenerateResult:
   ids, texts, bds, pbds, per_step, reasons = [], [], [], [], [], []
   steps = int(res["steps"])
   hist = {}
