@@ -157,6 +157,30 @@ def test_load_with_another_compute_dtype(tiny_dir, capsys):
   assert e.value.code == 2 and "--dtype" in capsys.readouterr().err
 
 
+def test_eval_with_another_compute_dtype(tiny_dir, tmp_path, capsys, monkeypatch):
+  """``lca-eval bpb|tasks|sweep --dtype``: the checkpoint evaluated in that compute dtype (bpb
+  runs; a sweep loads every checkpoint with it); a dtype outside ``DTYPES`` exits 2."""
+  data = tmp_path / "d.txt"
+  data.write_text("hello world, a first document\n\nsecond document here\n")
+  argv = ["bpb", "--checkpoint", tiny_dir, "--data", str(data), "--seq-len", "32"]
+  assert eval_cli.main(argv + ["--no-progress", "--json", "--dtype", "bfloat16"]) == 0
+  assert _strict_loads(capsys.readouterr().out)["bpb_ntp"] > 0
+  seen = {}
+
+  def fake_sweep(checkpoints, *args, loader=None, **kw):
+    seen["dtypes"] = [loader(c).cfg.dtype for c in checkpoints]
+    return {"runs": [], "skipped": [], "plots": []}
+
+  monkeypatch.setattr(eval_cli, "run_sweep", fake_sweep)
+  sweep = ["sweep", "--checkpoints", tiny_dir, "--task", "qa", "--data", str(data)]
+  assert eval_cli.main(sweep + ["--out", str(tmp_path / "s"), "--dtype", "bfloat16"]) == 0
+  assert seen["dtypes"] == ["bfloat16"]
+  for cmd in (argv, sweep):
+    with pytest.raises(SystemExit) as e:
+      eval_cli.main(cmd + ["--dtype", "f16"])
+    assert e.value.code == 2 and "--dtype" in capsys.readouterr().err
+
+
 def test_sample_unreadable_prompt_file(tiny_dir, tmp_path, capsys):
   assert sample_cli.main(["--checkpoint", tiny_dir, "--prompt-file", str(tmp_path)]) == 2
   _one_line_error(capsys.readouterr().err, "cannot read prompt file")

@@ -7,6 +7,9 @@
     lca-eval sweep --checkpoints DIR [DIR ...] --task T --data FILE --out DIR
                    [--taus 0.7,0.8,0.9] [--ns 3,4,5,6,7,8] [--modes ntp,threshold,verify,drafter]
 
+Each command takes --dtype float32|bfloat16: the compute dtype to evaluate in (default: the
+checkpoint's; on a CPU, float32 for a bfloat16 checkpoint).
+
 Problems with paths, data or arguments are reported in one line (exit status 2): a
 --batch-size, --seq-len, --max-bytes, --limit or --max-batches below 1, an unknown --format,
 a data file without a usable document, a sweep --out that is an existing file, a tasks --out
@@ -18,6 +21,7 @@ acceptance_rate in ntp mode, is null); bpb reports the bad records its pipeline 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from lca_jax import api, hostmem, jsonio
@@ -32,6 +36,7 @@ from lca_jax.errors import LcaError
 from lca_jax.eval import tasks
 from lca_jax.eval.bpb import evaluate_bpb
 from lca_jax.eval.sweep import check_out_dir, check_out_file, run_sweep, write_json
+from lca_jax.model.config import DTYPES
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -86,6 +91,7 @@ def _parser():
   b.add_argument("--max-batches", type=int, default=None)
   b.add_argument("--json", action="store_true", help="print one JSON object")
   b.add_argument("--no-progress", action="store_true")
+  _dtype_option(b)
 
   t = sub.add_parser(
     "tasks", help="generate on a task, report quality, acceptance rate and bytes/s"
@@ -94,6 +100,7 @@ def _parser():
   t.add_argument("--task", required=True, help="|".join(tasks.TASKS))
   t.add_argument("--data", required=True, help="jsonl file")
   t.add_argument("--mode", default="ntp", help="ntp|threshold|verify|drafter")
+  _dtype_option(t)
   t.add_argument(
     "--drafter", default=None, help="drafting checkpoint for --mode drafter (this one verifies)"
   )
@@ -118,6 +125,7 @@ def _parser():
 
   s = sub.add_parser("sweep", help="checkpoints x modes x taus x ns; JSON table and plots")
   s.add_argument("--checkpoints", required=True, nargs="+")
+  _dtype_option(s)
   s.add_argument("--task", required=True, help="|".join(tasks.TASKS))
   s.add_argument("--data", required=True)
   s.add_argument("--out", required=True, help="output directory")
@@ -134,8 +142,17 @@ def _parser():
   return p
 
 
-def _load(path, step=None):
-  return api.load(path, step=step) if step is not None else api.load(path)
+def _dtype_option(parser):
+  parser.add_argument(
+    "--dtype",
+    choices=DTYPES,
+    help="compute dtype (default: the checkpoint's); on a CPU evaluate a bfloat16 checkpoint "
+    "in float32: XLA:CPU computes bfloat16 dots in float32 anyway, after converting",
+  )
+
+
+def _load(path, step=None, dtype=None):
+  return api.load(path, step=step, dtype=dtype)
 
 
 def _at_least(name: str, value, low: int = 1):
@@ -161,7 +178,7 @@ def _cmd_bpb(a) -> int:
   if a.sft_format:
     if a.sft_format not in SFT_FORMATS:
       fail(f"unknown --sft-format {a.sft_format!r}; choose one of {', '.join(SFT_FORMATS)}")
-  model = _load(a.checkpoint, a.step)
+  model = _load(a.checkpoint, a.step, a.dtype)
   seq_len = model.cfg.max_seq_len if a.seq_len is None else a.seq_len
   if seq_len > model.cfg.max_seq_len:
     fail(
@@ -244,8 +261,8 @@ def _cmd_tasks(a) -> int:
   _check_gen_args(a)
   if a.out:
     check_out_file(a.out)
-  model = _load(a.checkpoint)
-  drafter = _load(a.drafter) if a.drafter else None
+  model = _load(a.checkpoint, dtype=a.dtype)
+  drafter = _load(a.drafter, dtype=a.dtype) if a.drafter else None
   max_bytes = tasks.DEFAULT_MAX_BYTES[a.task] if a.max_bytes is None else a.max_bytes
   ctx = min(model.cfg.max_seq_len, drafter.cfg.max_seq_len if drafter else model.cfg.max_seq_len)
   examples = tasks.load_examples(
@@ -298,6 +315,7 @@ def _cmd_sweep(a) -> int:
     metric=a.metric,
     seed=a.seed,
     progress=not a.no_progress,
+    loader=functools.partial(api.load, dtype=a.dtype),
   )
   for r in res["runs"]:
     print(f"{r['label']}: {tasks.summary_line(r)}")
