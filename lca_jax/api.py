@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Optional
 
@@ -18,7 +19,7 @@ from lca_jax.interop import upstream
 from lca_jax.interop.errors import CheckpointError
 from lca_jax.model.config import DTYPES, ModelConfig
 from lca_jax.model.hierarchical import ByteLM, init_params
-from lca_jax.model.layers import compute_dtype_weights, fuse_decode_params
+from lca_jax.model.layers import decode_weights
 from lca_jax.train import checkpoint
 
 __all__ = ["LoadError", "Model", "load", "load_upstream"]
@@ -48,8 +49,8 @@ class Model:
     half the bytes). Memory: the fused kernels are ~70% of each layer's weights more; with a
     bfloat16 ``cfg.dtype`` the whole tree is a bfloat16 copy beside the float32 params."""
     if self._decode_params is None or self._decode_params[0] is not self.params:
-      build = lambda p: compute_dtype_weights(fuse_decode_params(p), self.cfg.dtype)
-      self._decode_params = (self.params, jax.jit(build)(self.params))
+      build = jax.jit(functools.partial(decode_weights, dtype=self.cfg.dtype))
+      self._decode_params = (self.params, build(self.params))
     return self._decode_params[1]
 
   def __repr__(self):

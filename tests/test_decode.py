@@ -506,9 +506,7 @@ def test_a_bfloat16_model_decodes_from_bfloat16_weights(name, monkeypatch):
     kw = dict(mode=mode, n=3, max_bytes=10, ignore_eos=True, **extra)
     assert _weight_casts(model, prompts, **kw) == [], mode
     kept[mode] = model.generate(prompts, **kw)
-  identity = lambda params, dtype: params
-  monkeypatch.setattr(engine, "compute_dtype_weights", identity)
-  monkeypatch.setattr(lca_jax.api, "compute_dtype_weights", identity)
+  monkeypatch.setattr(layers, "compute_dtype_weights", lambda params, dtype: params)
   plain = Model(model.cfg, base.params)  # its decode tree built without the cast
   for mode, extra in runs:
     kw = dict(mode=mode, n=3, max_bytes=10, ignore_eos=True, **extra)

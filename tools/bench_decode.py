@@ -185,8 +185,8 @@ def _progress(msg: str):
 def timed_decodes(model, prompts, kws: dict, repeats: int) -> dict:
   """For each mode of ``kws`` (name -> ``generate`` keywords), after a warm-up of them all
   (compiles): the fastest of ``repeats`` calls (``best``), the fastest prefill + one step call
-  (``prefill``: ``max_bytes=1`` in the same executable), and the decode steps' own figures (``ms_per_step``,
-  ``decode_bytes_per_s``): the call minus the prefill, or the whole call when too few new
+  (``prefill``: ``max_bytes=1`` in the same executable), and the decode steps' own figures
+  (``ms_per_step``, ``decode_bytes_per_s``): the call minus the prefill, or the whole call when too few new
   bytes rise above the timing noise (``separable`` False). The modes are timed in alternating
   rounds (each round calls every mode once, then its prefill), so a ratio between two modes
   compares calls made in the same minutes of this (shared, noisy) machine."""

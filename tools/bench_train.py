@@ -93,8 +93,8 @@ def _progress(msg: str):
   print(f"bench_train: {msg}", file=sys.stderr, flush=True)
 
 
-def run_steps(config, setup, args) -> dict:
-  plan, steps, warmup = setup.plan, args.steps, args.warmup
+def run_steps(config, setup, steps: int, warmup: int) -> dict:
+  plan = setup.plan
   pipe = inputs.make_train_pipeline(config, plan)
   host = [next(pipe) for _ in range(warmup + steps)]
   pipe.close()
@@ -172,7 +172,9 @@ def main(argv=None):
   out["cost"], compiled = step_costs(setup, args.group_len)
   _progress(f"compiled the step in {out['cost']['compile_s']} s")
   if not args.lower_only:
-    out.update(run_steps(config, dataclasses.replace(setup, train_step=compiled), args))
+    out.update(
+      run_steps(config, dataclasses.replace(setup, train_step=compiled), args.steps, args.warmup)
+    )
   print(json.dumps(out, indent=1))
   return out
 

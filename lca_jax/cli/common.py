@@ -7,6 +7,7 @@ import sys
 from typing import Callable
 
 from lca_jax.errors import LcaError
+from lca_jax.model.config import DTYPES
 
 
 class CliError(LcaError):
@@ -15,6 +16,16 @@ class CliError(LcaError):
 
 def fail(msg: str):
   raise CliError(msg)
+
+
+def add_dtype_option(parser, verb: str):
+  """``--dtype``: the compute dtype to ``verb`` a checkpoint in (``lca_jax.load(dtype=)``)."""
+  parser.add_argument(
+    "--dtype",
+    choices=DTYPES,
+    help=f"compute dtype (default: the checkpoint's); on a CPU {verb} a bfloat16 checkpoint in "
+    "float32: XLA:CPU computes bfloat16 dots in float32 anyway, after converting every step",
+  )
 
 
 def prog() -> str:

@@ -25,7 +25,7 @@ import functools
 import sys
 
 from lca_jax import api, hostmem, jsonio
-from lca_jax.cli.common import fail
+from lca_jax.cli.common import add_dtype_option, fail
 from lca_jax.data.errors import DataError
 from lca_jax.data.pipeline import make_eval_pipeline
 from lca_jax.data.readers import FORMATS
@@ -36,7 +36,6 @@ from lca_jax.errors import LcaError
 from lca_jax.eval import tasks
 from lca_jax.eval.bpb import evaluate_bpb
 from lca_jax.eval.sweep import check_out_dir, check_out_file, run_sweep, write_json
-from lca_jax.model.config import DTYPES
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -91,7 +90,7 @@ def _parser():
   b.add_argument("--max-batches", type=int, default=None)
   b.add_argument("--json", action="store_true", help="print one JSON object")
   b.add_argument("--no-progress", action="store_true")
-  _dtype_option(b)
+  add_dtype_option(b, "evaluate")
 
   t = sub.add_parser(
     "tasks", help="generate on a task, report quality, acceptance rate and bytes/s"
@@ -100,7 +99,7 @@ def _parser():
   t.add_argument("--task", required=True, help="|".join(tasks.TASKS))
   t.add_argument("--data", required=True, help="jsonl file")
   t.add_argument("--mode", default="ntp", help="ntp|threshold|verify|drafter")
-  _dtype_option(t)
+  add_dtype_option(t, "evaluate")
   t.add_argument(
     "--drafter", default=None, help="drafting checkpoint for --mode drafter (this one verifies)"
   )
@@ -125,7 +124,7 @@ def _parser():
 
   s = sub.add_parser("sweep", help="checkpoints x modes x taus x ns; JSON table and plots")
   s.add_argument("--checkpoints", required=True, nargs="+")
-  _dtype_option(s)
+  add_dtype_option(s, "evaluate")
   s.add_argument("--task", required=True, help="|".join(tasks.TASKS))
   s.add_argument("--data", required=True)
   s.add_argument("--out", required=True, help="output directory")
@@ -140,15 +139,6 @@ def _parser():
   s.add_argument("--seed", type=int, default=0)
   s.add_argument("--no-progress", action="store_true")
   return p
-
-
-def _dtype_option(parser):
-  parser.add_argument(
-    "--dtype",
-    choices=DTYPES,
-    help="compute dtype (default: the checkpoint's); on a CPU evaluate a bfloat16 checkpoint "
-    "in float32: XLA:CPU computes bfloat16 dots in float32 anyway, after converting",
-  )
 
 
 def _load(path, step=None, dtype=None):

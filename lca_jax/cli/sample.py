@@ -24,7 +24,7 @@ import sys
 from typing import List, Optional, Union
 
 from lca_jax import jsonio, vocab
-from lca_jax.cli.common import fail, run_main
+from lca_jax.cli.common import add_dtype_option, fail, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,12 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--ignore-eos", action="store_true")
-  p.add_argument(
-    "--dtype",
-    choices=["float32", "bfloat16"],
-    help="compute dtype (default: the checkpoint's); on a CPU decode a bfloat16 checkpoint in "
-    "float32: XLA:CPU computes bfloat16 dots in float32 anyway, after converting every step",
-  )
+  add_dtype_option(p, "decode")
   p.add_argument(
     "--show-boundaries",
     action="store_true",

@@ -119,7 +119,7 @@ def _group_params(cfg: ModelConfig):
   decode_tree = lambda: compute_dtype_weights(
     nn.unbox(init_params(cfg, jax.random.PRNGKey(0), seq_len=8)), cfg.dtype
   )
-  leaves = lambda v: jax.tree_util.tree_leaves(v)
+  leaves = jax.tree_util.tree_leaves
   return tuple(
     (
       k,

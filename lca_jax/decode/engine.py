@@ -25,7 +25,7 @@ from lca_jax.decode.sampling import SamplingParams
 from lca_jax.errors import LcaError
 from lca_jax.model import incremental
 from lca_jax.model.config import ModelConfig
-from lca_jax.model.layers import compute_dtype_weights, fuse_decode_params
+from lca_jax.model.layers import decode_weights
 
 MAX_N = 64  # most bytes proposed per step (``n``) in the multi-byte modes
 STOP_REASONS = ("eos", "max_bytes", "context", "steps")
@@ -192,11 +192,7 @@ def _decode_params(plan: Plan, params, dtype):
   MBP window's ``lax.cond`` branches would copy them every step. The weights that every use
   casts to the compute ``dtype`` are stored in it (``layers.compute_dtype_weights``): a
   bfloat16 model's steps read them at 2 bytes each."""
-  if params is None:
-    return None
-  return compute_dtype_weights(
-    fuse_decode_params(params) if plan.fuse_projections else params, dtype
-  )
+  return decode_weights(params, dtype, plan.fuse_projections)
 
 
 def _params_of(model, plan: Plan):

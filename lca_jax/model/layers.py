@@ -126,6 +126,13 @@ def compute_dtype_weights(params, dtype):
   return walk(params) if isinstance(params, Mapping) else params
 
 
+def decode_weights(params, dtype, fuse: bool = True):
+  """The parameter tree decoding runs with: with ``fuse``, the fused kernels of
+  ``fuse_decode_params``; the weights every use casts to ``dtype`` stored in it
+  (``compute_dtype_weights``)."""
+  return compute_dtype_weights(fuse_decode_params(params) if fuse else params, dtype)
+
+
 def split_dense(x, kernel_IO, sizes: Sequence[int], dtype):
   """``Dense`` with a fused kernel [in, sum(sizes)]: one dot, split into one output per part
   (each [..., size]), as ``Dense`` computes it (flattened rows, compute in ``dtype``)."""
