@@ -17,7 +17,7 @@ from lca_jax.decode.engine import DecodeError
 from lca_jax.errors import LoadError
 from lca_jax.interop import upstream
 from lca_jax.interop.errors import CheckpointError
-from lca_jax.model.config import DTYPES, ModelConfig
+from lca_jax.model.config import DTYPES, ConfigError, ModelConfig
 from lca_jax.model.hierarchical import ByteLM, init_params
 from lca_jax.model.layers import decode_weights
 from lca_jax.train import checkpoint
@@ -150,7 +150,10 @@ def _load(path: str, step: Optional[int]) -> Model:
     except CheckpointError as e:
       raise LoadError(str(e)) from e
   if checkpoint.is_workdir(path):
-    cfg, params = checkpoint.load_for_inference(path, step=step)
+    try:
+      cfg, params = checkpoint.load_for_inference(path, step=step)
+    except ConfigError as e:  # a damaged or hand-edited train_config.json, named
+      raise LoadError(str(e)) from None
     try:
       extras = upstream.read_extras(path, cfg)
     except CheckpointError as e:

@@ -20,6 +20,8 @@ class ConfigFileError(LcaError, ValueError):
 def load_config(path: str) -> ml_collections.ConfigDict:
   """Execute ``path`` and return ``get_config()``. The folder above ``configs/`` joins sys.path
   so that config files can import their shared ``configs.base``."""
+  if os.path.isdir(path):
+    raise ConfigFileError(f"config file {path} is a directory; give a file such as configs/NAME.py")
   if not os.path.isfile(path):
     raise ConfigFileError(f"config file not found: {path}")
   root = os.path.dirname(os.path.dirname(os.path.abspath(path)))

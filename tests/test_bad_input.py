@@ -15,6 +15,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import json  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
+import warnings  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -24,11 +25,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from conftest import REF_DIR, REF_NAMES, random_params, tiny_config  # noqa: E402
+from conftest import REF_DIR, REF_NAMES, load_tool, random_params, tiny_config  # noqa: E402
 
 import lca_jax  # noqa: E402
 from lca_jax import configs_io, jsonio, vocab  # noqa: E402
 from lca_jax.api import Model  # noqa: E402
+from lca_jax.cli import common as cli_common  # noqa: E402
 from lca_jax.cli import convert as convert_cli  # noqa: E402
 from lca_jax.cli import eval as eval_cli  # noqa: E402
 from lca_jax.cli import sample as sample_cli  # noqa: E402
@@ -36,7 +38,7 @@ from lca_jax.cli import train as train_cli  # noqa: E402
 from lca_jax.decode import engine  # noqa: E402
 from lca_jax.decode.engine import DecodeError  # noqa: E402
 from lca_jax.interop import convert, safetensors_io, upstream  # noqa: E402
-from lca_jax.model.config import ModelConfig  # noqa: E402
+from lca_jax.model.config import ConfigError, ModelConfig  # noqa: E402
 from lca_jax.train import run_config  # noqa: E402
 
 TINY_CONFIG = os.path.join(ROOT, "configs", "tiny_lca_mbp.py")
@@ -122,11 +124,19 @@ def test_prompt_near_the_context_says_why_it_stopped(tiny_dir, capsys):
   [
     (["--tau", "2"], ["--tau", "[0, 1]"]),
     (["--tau", "nan"], ["--tau", "finite"]),
-    (["--top-k", "-5"], ["--top-k", ">= 0"]),
+    (["--top-k", "-5"], ["--top-k must be in [0,"]),
     (["--mode", "threshold", "--n", "1000"], ["--n", "at most 64"]),
     (["--temperature", "nan"], ["--temperature", "finite"]),
     (["--max-bytes", "0"], ["--max-bytes", ">= 1"]),
     (["--top-p", "0"], ["--top-p"]),
+    (
+      ["--seed", str(10**21)],
+      ["--seed must be a 64-bit integer"],
+    ),  # an OverflowError deep in numpy before
+    (
+      ["--top-k", str(10**11)],
+      ["--top-k must be in [0, 2147483647]"],
+    ),  # out of bounds for int32 before
   ],
 )
 def test_sample_bad_options(tiny_dir, capsys, argv, words):
@@ -281,6 +291,8 @@ def test_convert_from_torch_rejects_a_bad_run_config(tmp_path, capsys):
     (["--seq-len", str(CTX + 1)], ["longer than the model context"]),
     (["--max-batches", "0"], ["--max-batches"]),
     (["--sft-format", "bogus"], ["--sft-format"]),
+    # a MemoryError traceback from inside grain before
+    (["--batch-size", str(10**13), "--seq-len", "32"], ["--batch-size", "GiB", "logits"]),
   ],
 )
 def test_eval_bpb_bad_arguments(tiny_dir, tmp_path, capsys, argv, words):
@@ -459,7 +471,8 @@ def test_eval_out_paths(tiny_dir, tmp_path, capsys):
     (dict(mode="threshold", tau=2), r"tau must be a probability in \[0, 1\]"),
     (dict(temperature=float("nan")), "temperature must be a finite number"),
     (dict(temperature=-1.0), "temperature must be >= 0"),
-    (dict(top_k=-5), "top_k must be >= 0"),
+    (dict(top_k=-5), r"top_k must be in \[0, "),
+    (dict(seed=2**64), "seed must be a 64-bit integer"),
     (dict(mode="threshold", n=1000), "n must be at most 64"),
     (dict(seed=1.5), "seed must be an integer"),
     (dict(mode=None), "unknown mode"),
@@ -560,3 +573,148 @@ def test_export_keeps_the_source_inv_freq_not_a_recomputed_one(tmp_path, capsys)
   got = upstream.read_extras(wd, cfg)[upstream.INV_FREQ]
   ref = safetensors_io.read_safetensors(os.path.join(REF_DIR, "lca_small", "model.safetensors"))
   np.testing.assert_array_equal(_bits(got), _bits(ref[upstream.INV_FREQ]))
+
+
+# ---- audit: damaged work directories, model values, data paths, tools ---------------------
+_VALID_MODEL = ModelConfig(max_seq_len=CTX).to_dict()
+
+
+@pytest.mark.parametrize(
+  "content,words",
+  [
+    ('{"config": {', ["train_config.json", "not valid JSON"]),
+    ("", ["train_config.json", "not valid JSON"]),
+    (json.dumps({"config": {}}), ["train_config.json", 'no "model" object']),
+    (json.dumps({"model": dict(_VALID_MODEL, d_model="abc")}), ["d_model must be an integer"]),
+    (json.dumps({"model": dict(_VALID_MODEL, n_heads=0)}), ["n_heads must be an integer >= 1"]),
+  ],
+)
+def test_workdir_with_a_damaged_run_config(tmp_path, capsys, content, words):
+  """A work directory whose train_config.json is cut short or hand-edited: every CLI that
+  reads it names the file in one line (a JSONDecodeError / KeyError / ZeroDivisionError
+  traceback before) and leaves it as it was."""
+  wd = tmp_path / "wd"
+  (wd / "checkpoints").mkdir(parents=True)
+  (wd / "train_config.json").write_text(content)
+  with pytest.raises(lca_jax.LoadError, match=words[-1]):
+    lca_jax.load(str(wd))
+  for main, argv in (
+    (sample_cli.main, ["--checkpoint", str(wd), "--prompt", "ab"]),
+    (convert_cli.main, ["to-torch", "--checkpoint", str(wd), "--out", str(tmp_path / "o")]),
+    (train_cli.main, ["--config", TINY_CONFIG, "--workdir", str(wd)]),
+  ):
+    assert main(argv) == 2
+    _one_line_error(capsys.readouterr().err, *words)
+  assert (wd / "train_config.json").read_text() == content
+  assert sorted(os.listdir(wd)) == ["checkpoints", "train_config.json"]
+  assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+  "override,words",
+  [
+    ("--config.model.n_heads=0", ["model config: n_heads must be an integer >= 1, got 0"]),
+    ("--config.model.d_model=-8", ["model config: d_model must be an integer >= 1, got -8"]),
+    ("--config.model.rms_eps=0.0", ["rms_eps must be > 0"]),
+  ],
+)
+def test_train_bad_model_values(tmp_path, capsys, override, words):
+  """A zero head count (ZeroDivisionError) or a negative width (a TypeError deep in jax) is
+  named before the work directory is created."""
+  wd = tmp_path / "wd"
+  assert train_cli.main(["--config", TINY_CONFIG, "--workdir", str(wd), override]) == 2
+  _one_line_error(capsys.readouterr().err, "lca-train: error:", *words)
+  assert not wd.exists()
+  with pytest.raises(ConfigError, match="n_kv_heads must be an integer >= 1"):
+    ModelConfig.from_dict(dict(_VALID_MODEL, n_kv_heads=0))
+
+
+def test_train_paths_that_are_the_wrong_kind(tmp_path, capsys):
+  taken = tmp_path / "taken"
+  taken.write_text("keep")
+  assert train_cli.main(["--config", TINY_CONFIG, "--workdir", str(taken)]) == 2
+  _one_line_error(capsys.readouterr().err, "--workdir", "exists and is not a directory")
+  assert taken.read_text() == "keep"
+  assert train_cli.main(["--config", str(tmp_path), "--workdir", str(tmp_path / "wd")]) == 2
+  _one_line_error(capsys.readouterr().err, "is a directory")
+  assert not (tmp_path / "wd").exists()
+
+
+def test_upstream_config_with_zero_heads(tmp_path, capsys):
+  src = tmp_path / "src"
+  shutil.copytree(os.path.join(REF_DIR, "lca_small"), src)
+  uc = json.loads((src / "config.json").read_text())
+  uc["lm_n_heads"] = 0
+  (src / "config.json").write_text(json.dumps(uc))
+  with pytest.raises(lca_jax.LoadError, match="n_heads must be an integer >= 1"):
+    lca_jax.load(str(src))
+  assert (
+    convert_cli.main(["from-torch", "--torch-dir", str(src), "--out", str(tmp_path / "o")]) == 2
+  )
+  _one_line_error(capsys.readouterr().err, "n_heads")
+  assert not (tmp_path / "o").exists()
+
+
+def test_eval_data_directory_and_seed(tiny_dir, tmp_path, capsys):
+  rc = eval_cli.main(
+    ["bpb", "--checkpoint", tiny_dir, "--data", str(tmp_path), "--seq-len", "32", "--no-progress"]
+  )
+  assert rc == 2
+  _one_line_error(capsys.readouterr().err, "is a directory", "*.parquet")
+  argv = ["tasks", "--checkpoint", tiny_dir, "--task", "qa", "--data", "x.jsonl", "--no-progress"]
+  assert eval_cli.main(argv + ["--seed", str(10**20)]) == 2
+  _one_line_error(capsys.readouterr().err, "seed must be a 64-bit integer")
+
+
+def test_sweep_ns_below_two_is_refused_not_run_as_two(tiny_dir, tmp_path, capsys):
+  """--ns 0 ran n=2 and recorded n=0 in sweep.json before."""
+  out = tmp_path / "sweep"
+  argv = ["sweep", "--checkpoints", tiny_dir, "--task", "qa", "--data", "x.jsonl"]
+  argv += ["--out", str(out), "--modes", "threshold", "--ns", "0", "--no-progress"]
+  assert eval_cli.main(argv) == 2
+  _one_line_error(capsys.readouterr().err, "n must be >= 2", "got 0")
+  assert not out.exists()
+
+
+def test_cli_warnings_are_one_line(monkeypatch):
+  monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+  cli_common.one_line_warnings("lca-x")
+  got = warnings.formatwarning("step 8 is corrupt\n  (short)", UserWarning, "f.py", 3, "src")
+  assert got == "lca-x: warning: step 8 is corrupt (short)\n"
+
+
+def test_count_params_bad_configs(tmp_path, capsys):
+  tool = load_tool("count_params")
+  bad = tmp_path / "configs" / "zero_heads.py"
+  bad.parent.mkdir()
+  bad.write_text(
+    "import ml_collections\n\n\ndef get_config():\n"
+    "  return ml_collections.ConfigDict({'model': {'n_heads': 0}})\n"
+  )
+  for argv, words in (
+    ([str(tmp_path / "missing.py")], ["config file not found"]),
+    ([str(tmp_path)], ["is a directory"]),
+    ([str(bad)], ["n_heads must be an integer >= 1"]),
+  ):
+    assert tool.main(argv) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    _one_line_error(cap.err, "count_params: error:", *words)
+
+
+@pytest.mark.parametrize(
+  "argv,words",
+  [
+    (["--max-bytes", "0"], ["--max-bytes must be >= 1"]),  # a silent fallback, exit 0, before
+    (["--n", "0"], ["--n must be >= 2"]),
+    (["--tau", "nan"], ["--tau"]),
+    (["--prompt", ""], ["--prompt is empty"]),  # a DecodeError traceback before
+    (["--sentence", ""], ["--sentence is empty"]),
+    (["--repeats", "0"], ["--repeats"]),
+  ],
+)
+def test_demo_sample_bad_options(tmp_path, capsys, argv, words):
+  """Checked before the checkpoint is loaded (it does not exist here)."""
+  rc = load_tool("demo_sample").main(["--checkpoint", str(tmp_path / "missing")] + argv)
+  assert rc == 2
+  _one_line_error(capsys.readouterr().err, "demo_sample: error:", *words)

@@ -90,7 +90,7 @@ def test_causal_blocks_auto_by_length_and_costs_follow_it():
   assert cfg.causal_blocks(2047) == (64, 64)
   assert cfg.causal_blocks(2048) == (128, 128)
   assert cfg.replace(attn_block_q=32).causal_blocks(4096) == (32, 128)
-  with pytest.raises(ConfigError, match="attn_block_k must be >= 0"):
+  with pytest.raises(ConfigError, match="attn_block_k must be an integer >= 0, got -1"):
     cfg.replace(attn_block_k=-1)
   doc, _, plan = costs.regular_layout(cfg, 1, 2048)
   assert costs.attention_loop_correction(cfg, doc, plan, rows=1)["tiles"] == {

@@ -572,7 +572,7 @@ class _AlwaysPair(policies.Policy):
 
   def commit(self, ctx, loop, prop, a_B, done_B):
     st, _ = incremental.extend(ctx.cfg, ctx.params, loop.st, prop.d_BK, a_B, True, last_only=True)
-    return loop.replace(st=st), jnp.maximum(a_B - 1, 0)
+    return loop.replace(st=st)
 
 
 def test_a_registered_policy_runs_in_the_unchanged_loop():

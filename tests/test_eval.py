@@ -342,6 +342,28 @@ def test_run_task_modes_and_ifeval_sampling(files):
     tasks.run_task(model, "ifeval", ex, metric="bleu")
 
 
+def test_run_task_counts_candidates_by_the_policy_not_its_name(files):
+  """The accepted-bytes histogram, n, tau and max_candidates come from the mode's policy
+  (``head_bytes``, ``multi_byte``, ``uses_tau``): a registered mode is scored like the others."""
+  ex = tasks.load_examples("qa", files["qa"])
+
+  class ToyTwoHead(policies.Policy):  # two head bytes per step, no tau
+    name, head_bytes = "toy_two_head", 2
+
+  policies.register(ToyTwoHead())
+  try:
+    r = tasks.run_task(FakeModel(ex), "qa", ex, mode="toy_two_head", tau=0.3, n=4)
+  finally:
+    policies.POLICIES.pop("toy_two_head")
+  assert r["committed_hist"] == {3: len(ex), 1: len(ex), 2: len(ex)}
+  assert r["accepted_hist"] == {1: len(ex), 0: 2 * len(ex)}  # a step cut short accepts none
+  assert r["tau"] is None and r["n"] == 4 and r["max_candidates"] == 2
+  r = tasks.run_task(FakeModel(ex), "qa", ex, mode="drafter", drafter=object(), n=4)
+  assert r["max_candidates"] == 4 and r["accepted_hist"] == r["committed_hist"]
+  with pytest.raises(DecodeError, match="unknown mode 'toy_two_head'"):
+    tasks.run_task(FakeModel(ex), "qa", ex, mode="toy_two_head")
+
+
 def test_sweep_grid_follows_the_policy_registry():
   """The grid comes from each mode's policy: one point for ntp, one per n for verify /
   drafter, one per (tau, n) for threshold; a registered mode is swept like the others."""

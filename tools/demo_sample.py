@@ -293,6 +293,33 @@ def _tau_ladder(tau: float) -> list:
   return [tau] + [t for t in TAU_STEPS if t < tau]
 
 
+def _bad_option(args):
+  """The first option no run can use, as a message naming it (None when all are usable); the
+  decoding options are checked by the engine's own ``check_options``."""
+  from lca_jax.cli.common import option_message  # pylint: disable=g-import-not-at-top
+  from lca_jax.decode import engine  # pylint: disable=g-import-not-at-top
+
+  for name in ("prompt", "sentence"):
+    if not getattr(args, name):
+      return f"--{name} is empty; give at least one byte"
+  if args.repeats < 1:
+    return f"--repeats must be >= 1, got {args.repeats}"
+  if args.heldout_bytes < 0:
+    return f"--heldout-bytes must be >= 0 (0: skip), got {args.heldout_bytes}"
+  try:
+    engine.check_options(
+      "threshold",
+      tau=args.tau,
+      n=args.n,
+      max_bytes=args.max_bytes,
+      temperature=args.temperature,
+      seed=args.seed,
+    )
+  except engine.DecodeError as e:
+    return option_message(str(e), ("tau", "n", "max_bytes", "temperature", "seed"))
+  return None
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--checkpoint", required=True)
@@ -333,16 +360,25 @@ def main(argv=None):
     "work directory with metrics; '' to skip)",
   )
   args = ap.parse_args(argv)
+  problem = _bad_option(args)
+  if problem:  # before the (slow) load, and never a silent fallback to the reference loop
+    print(f"demo_sample: error: {problem}", file=sys.stderr)
+    return 2
+  from lca_jax.errors import LcaError  # pylint: disable=g-import-not-at-top
 
+  try:
+    return _run(args)
+  except LcaError as e:  # a bad checkpoint, a --sentence longer than the model context, ...
+    print(f"demo_sample: error: {e}", file=sys.stderr)
+    return 2
+
+
+def _run(args):
   import lca_jax  # pylint: disable=g-import-not-at-top
   from lca_jax import xla_cache  # pylint: disable=g-import-not-at-top
 
-  try:
-    xla_cache.enable()  # a rerun of make demo loads its programs (LCA_JAX_XLA_CACHE)
-    model = lca_jax.load(args.checkpoint)
-  except (lca_jax.LoadError, xla_cache.XlaCacheError) as e:
-    print(f"demo_sample: error: {e}", file=sys.stderr)
-    return 2
+  xla_cache.enable()  # a rerun of make demo loads its programs (LCA_JAX_XLA_CACHE)
+  model = lca_jax.load(args.checkpoint)
   cfg = model.cfg
   print(
     f"model: {cfg.kind}, d={cfg.d_model}, layers enc/lm/dec/mbp = "

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+import warnings
+from typing import Callable, Optional
 
 from lca_jax.errors import LcaError
 from lca_jax.model.config import DTYPES
@@ -16,6 +17,13 @@ class CliError(LcaError):
 
 def fail(msg: str):
   raise CliError(msg)
+
+
+def option_message(msg: str, options) -> str:
+  """A library message about argument ``name`` ("max_bytes must be ...") as one about its
+  command-line option ("--max-bytes must be ...") when ``name`` is one of ``options``."""
+  name = msg.split(" ", 1)[0]
+  return "--" + name.replace("_", "-") + msg[len(name) :] if name in options else msg
 
 
 def add_dtype_option(parser, verb: str):
@@ -30,6 +38,18 @@ def add_dtype_option(parser, verb: str):
 
 def prog() -> str:
   return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "lca"
+
+
+def one_line_warnings(name: Optional[str] = None) -> None:
+  """Warnings a run survives (a corrupt checkpoint step skipped, a bad data shard) print as one
+  line, ``PROG: warning: MESSAGE``, not Python's two (file:line: Category: message, then the
+  source line that issued it, which reads like the start of a traceback)."""
+  who = name or prog()
+
+  def fmt(message, category, filename, lineno, line=None):  # noqa: ARG001 - warnings' signature
+    return f"{who}: warning: {' '.join(str(message).split())}\n"
+
+  warnings.formatwarning = fmt
 
 
 def run_main(fn: Callable[[], int]) -> int:

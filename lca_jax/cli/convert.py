@@ -19,6 +19,7 @@ import os
 import sys
 
 from lca_jax import configs_io
+from lca_jax.cli.common import one_line_warnings
 from lca_jax.errors import LcaError
 
 
@@ -74,6 +75,7 @@ def main(argv=None) -> int:
     return int(e.code or 0)
   if rest and (args.cmd != "from-torch" or not args.config):
     return _fail(f"unrecognized arguments: {' '.join(rest)}")
+  one_line_warnings("lca-convert")
   # deferred: jax, orbax and the model take seconds to import, which --help and usage errors skip
   from lca_jax.interop import convert  # pylint: disable=g-import-not-at-top
   from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top

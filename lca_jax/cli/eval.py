@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 
 from lca_jax import api, hostmem, jsonio
-from lca_jax.cli.common import add_dtype_option, fail
+from lca_jax.cli.common import add_dtype_option, fail, one_line_warnings
 from lca_jax.data.errors import DataError
 from lca_jax.data.pipeline import make_eval_pipeline
 from lca_jax.data.readers import FORMATS
@@ -150,6 +151,25 @@ def _at_least(name: str, value, low: int = 1):
     fail(f"{name} must be >= {low}, got {value}")
 
 
+def _host_memory() -> int:
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (AttributeError, ValueError, OSError):  # not POSIX: no check
+    return 0
+
+
+def _check_batch_fits(batch_size: int, seq_len: int, vocab_size: int):
+  """A batch whose float32 logits alone exceed this machine's memory is a typo (an extra digit
+  in --batch-size), not a run: refused before the pipeline allocates it (a MemoryError from
+  inside grain otherwise, or an out-of-memory crash)."""
+  need, have = batch_size * seq_len * vocab_size * 4, _host_memory()
+  if have and need > have:
+    fail(
+      f"--batch-size {batch_size} x --seq-len {seq_len} needs {need / 2**30:.1f} GiB for the "
+      f"logits alone, more than this machine's {have / 2**30:.1f} GiB; use a smaller --batch-size"
+    )
+
+
 def _data_format(fmt):
   if fmt is None:
     return None
@@ -174,6 +194,7 @@ def _cmd_bpb(a) -> int:
     fail(
       f"--seq-len {seq_len} is longer than the model context (max_seq_len {model.cfg.max_seq_len})"
     )
+  _check_batch_fits(a.batch_size, seq_len, model.cfg.vocab_size)
   if a.sft_format:
     packing = "segmented" if a.packing == "segmented" else "single"
     batches = make_sft_eval_pipeline(
@@ -238,7 +259,7 @@ def _check_gen_args(a, modes=None, taus=None, ns=None):
         engine.check_options(
           mode,
           tau=tau,
-          n=n if modes is None else max(n, 2),
+          n=n,  # a sweep's --ns too: 0 or 1 in a multi-byte mode is an error, not a silent 2
           max_bytes=a.max_bytes or 1,
           temperature=0.0 if temperature is None else temperature,
           top_p=1.0 if top_p is None else top_p,
@@ -319,6 +340,7 @@ def main(argv=None) -> int:
   if argv is None:  # run as a program: large host buffers on huge pages (lca_jax/hostmem.py)
     hostmem.use_huge_pages()
   a = _parser().parse_args(argv)
+  one_line_warnings("lca-eval")
   try:
     from lca_jax import xla_cache  # pylint: disable=g-import-not-at-top
 

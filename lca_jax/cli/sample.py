@@ -24,7 +24,13 @@ import sys
 from typing import List, Optional, Union
 
 from lca_jax import jsonio, vocab
-from lca_jax.cli.common import add_dtype_option, fail, run_main
+from lca_jax.cli.common import (
+  add_dtype_option,
+  fail,
+  one_line_warnings,
+  option_message,
+  run_main,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,6 +146,7 @@ class _Streamer:
 
 def main(argv: Optional[List[str]] = None) -> int:
   args = build_parser().parse_args(argv)
+  one_line_warnings("lca-sample")
   return run_main(lambda: _main(args))
 
 
@@ -165,11 +172,7 @@ def _main(args) -> int:
       seed=args.seed,
     )
   except engine.DecodeError as e:
-    msg = str(e)
-    name = msg.split(" ", 1)[0]
-    if name in _OPTIONS:  # "max_bytes must be ..." -> "--max-bytes must be ..."
-      msg = "--" + name.replace("_", "-") + msg[len(name) :]
-    fail(msg)
+    fail(option_message(str(e), _OPTIONS))
   if args.mode == "drafter" and not args.drafter:
     fail("--mode drafter needs --drafter DIR")
   if args.stream and (len(prompts) > 1 or args.json or args.show_boundaries):

@@ -24,6 +24,7 @@ import os
 import sys
 
 from lca_jax import configs_io, hostmem
+from lca_jax.cli.common import one_line_warnings
 from lca_jax.errors import LoadError
 from lca_jax.model.config import ConfigError
 from lca_jax.train.errors import NonFiniteLossError, TrainError
@@ -102,6 +103,7 @@ def main(argv=None) -> int:
     "seconds after the first step (default LCA_WATCHDOG or 0 = off)",
   )
   args, rest = parser.parse_known_args(argv)
+  one_line_warnings("lca-train")
 
   # deferred: jax, then (once the config is valid) flax, orbax, grain and the training loop take
   # seconds to import, which --help and usage errors skip
@@ -113,6 +115,10 @@ def main(argv=None) -> int:
     configs_io.apply_overrides(config, overrides)
     # before the work directory is created or locked: a bad value never touches it
     run_config.validate_run_config(config, min_steps=1)
+    if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+      return _fail(f"--workdir {args.workdir} exists and is not a directory")
+    # a work directory to resume whose train_config.json is damaged: named, not a traceback
+    run_config.read_run_config(args.workdir)
   except (ValueError, configs_io.ConfigFileError, ConfigError) as e:
     return _fail(str(e))
 

@@ -55,6 +55,10 @@ def expand_files(files: str | Sequence[str]) -> list[str]:
     hits = sorted(
       p for p in glob.glob(os.path.expanduser(pat), recursive=True) if os.path.isfile(p)
     )
+    if not hits and os.path.isdir(os.path.expanduser(pat)):
+      raise DataError(
+        f"{pat!r} is a directory; give the files in it, e.g. {os.path.join(pat, '*.parquet')!r}"
+      )
     if not hits:
       raise DataError(f"no files match pattern {pat!r}")
     out += [h for h in hits if h not in out]

@@ -69,6 +69,9 @@ def _real_arg(name: str, v) -> float:
   return v
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def check_options(
   mode: str = "ntp",
   tau: float = 0.9,
@@ -107,12 +110,14 @@ def check_options(
   if temperature < 0:
     raise DecodeError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
   top_k = _int_arg("top_k", top_k)
-  if top_k < 0:
-    raise DecodeError(f"top_k must be >= 0 (0 = off), got {top_k}")
+  if not 0 <= top_k <= _INT32_MAX:  # an int32 on the device; any k past the vocabulary keeps all
+    raise DecodeError(f"top_k must be in [0, {_INT32_MAX}] (0 = off), got {top_k}")
   top_p = _real_arg("top_p", top_p)
   if not 0.0 < top_p <= 1.0:
     raise DecodeError(f"top_p must be in (0, 1], got {top_p}")
   seed = _int_arg("seed", seed)
+  if not -(2**63) <= seed < 2**63:  # a PRNG key takes any 64-bit integer
+    raise DecodeError(f"seed must be a 64-bit integer, got {seed}")
   pad_to = _int_arg("pad_to", pad_to)
   if pad_to < 1:
     raise DecodeError(f"pad_to must be >= 1, got {pad_to}")
@@ -170,7 +175,8 @@ def _step(ctx: Ctx, emit, loop: LoopState) -> LoopState:
   k_draft, k_acc = loop.keys[loop.step]
   prop = plan.policy.propose(ctx, loop, k_draft, k_acc)
   a, done = _finalize(ctx, prop.d_BK, prop.a_B, loop)
-  nxt, acc = plan.policy.commit(ctx, loop, prop, a, done)
+  nxt = plan.policy.commit(ctx, loop, prop, a, done)
+  acc = jnp.maximum(a - plan.policy.head_bytes, 0)  # candidates among the committed bytes
   if emit is not None:
     jax.debug.callback(emit, prop.d_BK, a, ordered=True)
   return nxt.replace(

@@ -153,6 +153,9 @@ class Policy:
   uses_drafter: bool = False  # candidates come from a second model
   target_mbp: bool = False  # the target model's caches also run its multi-byte head
   uses_tau: bool = False  # the acceptance threshold tau matters (a sweep varies it)
+  # leading bytes of a step that come from the model's own next-byte head, not candidates: a
+  # step that commits c bytes accepted c - head_bytes candidates, at most n - head_bytes
+  head_bytes: int = 1
 
   def copies_in_extend(self, plan: Plan) -> int:
     """LCA-MBP copies each extend computes along for the next step's draft."""
@@ -165,8 +168,8 @@ class Policy:
   def propose(self, ctx: Ctx, loop: LoopState, k_draft, k_acc) -> Proposal:
     raise NotImplementedError
 
-  def commit(self, ctx: Ctx, loop: LoopState, prop: Proposal, a_B, done_B):
-    """(loop with ``st`` / ``dst`` / ``pending`` after the step, accepted candidates [B])."""
+  def commit(self, ctx: Ctx, loop: LoopState, prop: Proposal, a_B, done_B) -> LoopState:
+    """The loop with ``st`` / ``dst`` / ``pending`` after the step (``a_B`` bytes committed)."""
     raise NotImplementedError
 
 
@@ -206,7 +209,7 @@ class NextByte(Policy):
       ctx.plan.copies_in_extend,
       last_only=True,
     )
-    return loop.replace(st=st, pending=prop.pending_B), jnp.maximum(a_B - 1, 0)
+    return loop.replace(st=st, pending=prop.pending_B)
 
 
 class Threshold(NextByte):
@@ -250,12 +253,13 @@ class Verify(Policy):
     st_x, out = prop.fed
     st = incremental.rollback(st_x, loop.st, out, a_B)
     pending = jnp.where(done_B, -1, prop.pending_B)
-    return loop.replace(st=st, pending=pending), jnp.maximum(a_B - 1, 0)
+    return loop.replace(st=st, pending=pending)
 
 
 class Drafter(Policy):
   name = "drafter"
   uses_drafter = True
+  head_bytes = 0  # every byte the drafter drafts is a candidate the target checks
 
   def init(self, ctx, loop, prompt_BP, plen_B):
     length = loop.st.ids.shape[1]
@@ -288,7 +292,7 @@ class Drafter(Policy):
       ctx.dcfg, ctx.dparams, loop.dst, prop.d_BK, a_B, True, last_only=True
     )
     pending = jnp.where(done_B, -1, prop.pending_B)
-    return loop.replace(st=st, dst=dst, pending=pending), a_B
+    return loop.replace(st=st, dst=dst, pending=pending)
 
 
 register(NextByte())

@@ -152,7 +152,7 @@ def accepted_hist(runs: Sequence[Dict], path: str, title: str = "") -> str:
     for i, ((lab, mode), r) in enumerate(best.items()):
       hist = {int(k): v for k, v in r["accepted_hist"].items()}
       total = sum(hist.values())
-      ks = list(range(0, max(max(hist), r["n"] - (0 if mode == "drafter" else 1)) + 1))
+      ks = list(range(0, max(max(hist), r["max_candidates"]) + 1))
       frac = [hist.get(k, 0) / total for k in ks]
       mean = sum(k * v for k, v in hist.items()) / total
       name = f"{lab} {_label(r)} (mean {mean:.2f})"

@@ -147,7 +147,7 @@ def run_sweep(
             examples,
             mode=mode,
             tau=0.9 if tau is None else tau,
-            n=max(n, 2),
+            n=n,  # a multi-byte mode refuses n < 2 (listed in skipped), never runs it as 2
             max_bytes=max_bytes,
             batch_size=batch_size,
             drafter=drafter_model if uses_drafter else None,

@@ -20,9 +20,9 @@ excluded; a final partial batch is padded with copies of its first prompt so tha
 compiled decoder, and the copies' bytes are not counted).  ``acceptance_rate`` = accepted /
 proposed multi-byte candidates over the run (NaN in ntp mode; null in
 ``--json`` output and results files, which are strict JSON).  ``accepted_hist``: per decoding
-step and row, how many multi-byte candidates were accepted (paper Fig. 7; threshold and verify
-modes count the bytes after the always-accepted NT byte; drafter mode counts drafted bytes the
-verifier kept).  ``committed_hist``: bytes committed per step.
+step and row, how many multi-byte candidates were accepted (paper Fig. 7: the committed bytes
+less the policy's ``head_bytes``; threshold and verify count the bytes after the always-accepted
+NT byte, drafter mode the drafted bytes the verifier kept), at most ``max_candidates``.  ``committed_hist``: bytes committed per step.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from tqdm import tqdm
 from lca_jax.data import sft_format
 from lca_jax.data.errors import DataError
 from lca_jax.data.readers import read_file_bytes
-from lca_jax.decode import engine
+from lca_jax.decode import engine, policies
 from lca_jax.errors import LcaError
 from lca_jax.eval import ifeval, metrics
 
@@ -174,6 +174,8 @@ def run_task(
 ) -> Dict[str, Any]:
   """Decode ``examples`` and score them; returns a JSON-able dict (see module docstring)."""
   check_task(task)
+  engine.check_options(mode=mode)
+  policy = policies.POLICIES[mode]
   max_bytes = int(max_bytes or DEFAULT_MAX_BYTES[task])
   samp = dict(temperature=0.0, top_p=1.0)
   samp.update(SAMPLING.get(task, {}))
@@ -222,11 +224,9 @@ def run_task(
       latent_num += res.latent_steps_per_byte * nb
       for c in res.accepted_per_step[j]:
         committed[c] += 1
-        if mode in ("threshold", "verify"):
-          accepted[c - 1] += 1
-        elif mode == "drafter":
-          accepted[c] += 1
-    if mode != "ntp" and not math.isnan(res.acceptance_rate):
+        if policy.multi_byte:
+          accepted[max(c - policy.head_bytes, 0)] += 1  # as the loop counts them
+    if policy.multi_byte and not math.isnan(res.acceptance_rate):
       w = sum(
         len(r) for r in res.accepted_per_step
       )  # steps x rows: proposals are constant per step
@@ -242,8 +242,10 @@ def run_task(
   out = {
     "task": task,
     "mode": mode,
-    "tau": tau if mode == "threshold" else None,
-    "n": n if mode != "ntp" else 1,
+    "tau": tau if policy.uses_tau else None,
+    "n": n if policy.multi_byte else 1,
+    # the most candidates a step can accept (the x range of the accepted-bytes histogram)
+    "max_candidates": n - policy.head_bytes if policy.multi_byte else 0,
     "batch_size": batch_size,
     "max_bytes": max_bytes,
     "temperature": samp["temperature"],

@@ -6,7 +6,8 @@ with the config of a run resuming the directory and raises ``ConfigMismatchError
 fields that differ, except those in ``RESUME_MUTABLE`` (steps, logging, checkpoint cadence,
 mesh, ...), which may change between a checkpoint and the run resuming it.
 ``validate_run_config`` rejects values no run can use (an unknown ``data.format`` or
-``data.packing``, negative ``train.steps``, a learning rate that is not a positive number, ...)
+``data.packing``, negative ``train.steps``, a learning rate that is not a positive number, a
+model section ``ModelConfig`` refuses, ...)
 with a ``RunConfigError`` naming every bad field, before anything is built.
 """
 
@@ -167,6 +168,12 @@ def validate_run_config(config, *, min_steps: int = 0) -> None:
     bad.append(
       f"train.steps must be >= {min_steps} (the number of optimizer steps to train to), got {steps}"
     )
+  model = _value(config, "model")
+  if model is not _MISSING:  # a zero n_heads or a negative d_model: named here, not in jax
+    try:
+      ModelConfig.from_dict(model.to_dict() if hasattr(model, "to_dict") else model)
+    except ConfigError as e:
+      bad.append(str(e))
   if bad:
     raise RunConfigError("bad config: " + "; ".join(bad))
 
@@ -193,11 +200,28 @@ def write_run_config(workdir: str, config: dict, model_cfg: ModelConfig) -> None
 
 
 def read_run_config(workdir: str) -> Optional[dict]:
+  """A work directory's saved run config, checked; None when it has none. A damaged or
+  hand-edited file (not JSON, no ``model`` object, ``config`` not an object of sections, a
+  model that cannot be built) is a ``RunConfigError`` naming the file, not a traceback where
+  it is read."""
   path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.isfile(path):
     return None
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  try:
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+    raise RunConfigError(f"{path}: damaged run config, not valid JSON ({e})") from None
+  if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+    raise RunConfigError(f'{path}: damaged run config, no "model" object')
+  run = saved.get("config", {})
+  if not isinstance(run, dict) or not all(isinstance(v, dict) for v in run.values()):
+    raise RunConfigError(f'{path}: damaged run config, "config" is not an object of sections')
+  try:
+    ModelConfig.from_dict(saved["model"])
+  except ConfigError as e:
+    raise RunConfigError(f"{path}: {e}") from None
+  return saved
 
 
 def config_diff(saved: dict, current: dict, mutable=RESUME_MUTABLE) -> list:
