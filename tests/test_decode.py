@@ -235,6 +235,41 @@ def test_a_long_block_runs_the_lm_over_its_groups_only(name):
   assert picked == (set(widths) if name == "lca" else {48}), picked
 
 
+def test_steps_read_only_the_lm_cache_slots_that_hold_groups():
+  """A step over a long LM cache (S >= ``LM_READS_FROM`` slots) reads only its first S/4 or
+  S/2 slots when they hold every row's earlier groups (``lm_reads``): ragged rows whose group
+  counts pick each width give the full forward's logits and boundaries, block after block."""
+  rng = np.random.default_rng(7)
+  length, t, b = 300, 260, 2
+  reads = incremental.lm_reads(length + 1)
+  assert reads == (80, 152, None) and incremental.lm_reads(incremental.LM_READS_FROM - 1) == (None,)
+  model = tiny_model("lca", factor=4.0, bp_bias=6.0)  # nearly every byte closes a group
+  cfg, params = model.cfg, model.params
+  ids = np.stack([random_ids(rng, t) for _ in range(b)])
+  ref = model.forward(ids)
+  ext = jax.jit(lambda st, x, ks: incremental.extend(cfg, params, st, x, ks, True))
+  st = incremental.prefill(
+    cfg, params, jnp.asarray(ids[:, :40]), jnp.asarray([40, 40]), length, True
+  )
+  done = np.array([40, 40])
+  picked = set()
+  while done.min() < t:
+    ks = np.minimum([8, 5], t - done)  # row 1 advances slower: its groups lag row 0's
+    x = np.zeros((b, 8), np.int32)
+    for r in range(b):
+      x[r, : ks[r]] = ids[r, done[r] : done[r] + ks[r]]
+    first = int(np.max(np.asarray(st.n_closed))) + 1
+    picked.add(next((w for w in reads[:-1] if w >= first), None))
+    st, out = ext(st, jnp.asarray(x), jnp.asarray(ks, jnp.int32))
+    for r in range(b):
+      rows = slice(done[r], done[r] + ks[r])
+      assert_close_rel(out["nt_logits"][r, : ks[r]], ref["ntp_logits"][r, rows])
+      assert_close_rel(out["mbp_logits"][r, : ks[r]], ref["mbp_logits"][r, rows])
+      np.testing.assert_array_equal(np.asarray(st.b[r, rows]), ref["boundaries"][r, rows])
+    done = done + ks
+  assert picked == set(reads), picked
+
+
 @pytest.mark.parametrize("name", ["lca", "mlp", "spacebyte", "flat"])
 def test_a_fresh_prefill_equals_one_over_the_whole_caches(name):
   """``prefill`` feeds the prompts as a ``fresh`` block (attention reads none of the empty

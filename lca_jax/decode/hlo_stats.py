@@ -3,8 +3,8 @@
 The engine compiles prefill + ``lax.while_loop``; the loop's body is one decode step. These
 functions parse ``compiled.as_text()`` (no run needed) and report, for that body and every
 computation it calls (conditional branches, nested loops; fusions count as one op each): the
-number of ops the runtime executes per step, how many are dots and fusions, and every ``copy``
-with its size. A copy of a cache-sized buffer in a decode step is a bug (the step should update
+number of ops the runtime executes per step at most (of a conditional, its largest branch), how
+many are dots and fusions, and every ``copy`` with its size. A copy of a cache-sized buffer in a decode step is a bug (the step should update
 its caches in place: see ``layers.cached_attention``), and so is a concatenate of weights
 (``step_concatenates``, fusion bodies included: the fused decode kernels are built once per
 call, before the loop, see ``layers.fuse_decode_params``).
@@ -131,18 +131,36 @@ def step_concatenates(hlo_text: str) -> List[dict]:
   return out
 
 
-def step_stats(hlo_text: str, min_copy_bytes: int = 0) -> dict:
-  """Ops per decode step (the loop body and what it calls, once each), dots, fusions, and the
-  copies of at least ``min_copy_bytes`` bytes (shape string and bytes)."""
-  ops, dots, fusions, copies = 0, 0, 0, []
-  for instr in _step_instructions(hlo_text):
+def _most_run(comps, name: str, memo: dict) -> np.ndarray:
+  """(ops, dots, fusions) that one run of computation ``name`` executes at most: its own ops,
+  those of the computations it calls (a loop's body and condition once), and of a conditional
+  the branch that runs the most ops (only one runs)."""
+  if name in memo:
+    return memo[name]
+  memo[name] = total = np.zeros(3, np.int64)  # a cycle (none in HLO) would count 0
+  for instr in comps.get(name, []):
     op = op_name(instr)
     if op in FREE_OPS or not op:
       continue
-    ops += 1
-    dots += op == "dot"
-    fusions += op == "fusion"
-    if op == "copy" and result_bytes(instr) >= min_copy_bytes:
+    total += (1, op == "dot", op == "fusion")
+    called = [_most_run(comps, c, memo) for c in _called(instr)]
+    if op == "conditional" and called:
+      total += max(called, key=lambda c: c[0])
+    else:
+      total += sum(called, np.zeros(3, np.int64))
+  return total
+
+
+def step_stats(hlo_text: str, min_copy_bytes: int = 0) -> dict:
+  """Ops one decode step runs at most (the loop body and what it calls; of a conditional, the
+  branch with the most ops: the latent LM compiled for several widths runs one of them), dots
+  and fusions among them, and the copies of at least ``min_copy_bytes`` bytes anywhere in the
+  step, any branch (shape string and bytes)."""
+  comps = computations(hlo_text)
+  ops, dots, fusions = (int(x) for x in _most_run(comps, decode_loop_body(hlo_text), {}))
+  copies = []
+  for instr in _step_instructions(hlo_text):
+    if op_name(instr) == "copy" and result_bytes(instr) >= min_copy_bytes:
       copies.append(
         {"shape": _SHAPE.search(instr).group(0)[1:].strip(), "bytes": result_bytes(instr)}
       )

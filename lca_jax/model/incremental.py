@@ -213,11 +213,10 @@ def _latents(
   first_slot = state.n_closed + 1
   slot_pos = first_slot[:, None] + j
   lm_mask = masks.cache_causal_mask(slot_pos, state.z.shape[1])
-  old = 1 if fresh else None  # a fresh LM cache holds the null group only
 
   # The LM cache is written after the branch (zeros when it did not run: slots past n_closed
   # are garbage until a group closes there).
-  def lm_over(c):
+  def lm_over(c, old):
     def run():
       x, pos, mask = (a[:, :c] for a in (new_s, slot_pos, lm_mask))
       z, kv = _stack(
@@ -227,14 +226,16 @@ def _latents(
 
     return run
 
-  idle = lambda: (jnp.zeros_like(new_s), _kv(cfg, cfg.n_lm, b, k, new_s.dtype))
+  # one branch per (slots run over, cache slots read): the smallest of each that holds every
+  # row's new groups and every row's earlier slots; a fresh LM cache holds the null group only
   widths = lm_widths(k)
-  if len(widths) == 1:
-    z_new, lm_new = jax.lax.cond(jnp.any(closes_BK), lm_over(k), idle)
-  else:
-    n_new = cum[:, -1].max()
-    pick = jnp.where(n_new == 0, 0, 1 + jnp.sum(jnp.asarray(widths) < n_new))
-    z_new, lm_new = jax.lax.switch(pick, [idle] + [lm_over(c) for c in widths])
+  reads = (1,) if fresh else lm_reads(state.z.shape[1])
+  n_new = cum[:, -1].max()
+  i_width = jnp.sum(jnp.asarray(widths) < n_new)
+  i_read = jnp.sum(jnp.asarray(reads[:-1], jnp.int32) < first_slot.max())
+  pick = jnp.where(n_new == 0, 0, 1 + i_width * len(reads) + i_read)
+  idle = lambda: (jnp.zeros_like(new_s), _kv(cfg, cfg.n_lm, b, k, new_s.dtype))
+  z_new, lm_new = jax.lax.switch(pick, [idle] + [lm_over(c, o) for c in widths for o in reads])
   z = write_rows(state.z, z_new, first_slot)
   s = write_rows(state.s, new_s, first_slot)
   u = state.n_closed[:, None] + cum  # closed groups through each new byte
@@ -271,6 +272,20 @@ def lm_widths(k: int) -> tuple:
   if k < LM_WIDTHS_FROM:
     return (k,)
   return tuple(sorted({-(-k // (8 * f)) * 8 for f in (4, 2)} - {k})) + (k,)
+
+
+# A step reads only the first S/4 or S/2 of the LM cache's S slots when they hold every row's
+# earlier groups (a trained model fills about one slot per 3 bytes), from caches of this many
+# slots on; below it, or when they do not, all S.
+LM_READS_FROM = 256
+
+
+def lm_reads(s: int) -> tuple:
+  """The LM cache slots a block may read (``cached_attention``'s ``old_slots``), ascending;
+  the last is all of them (None): S/4 and S/2 rounded up to a multiple of 8, for long caches."""
+  if s < LM_READS_FROM:
+    return (None,)
+  return tuple(sorted({-(-s // (8 * f)) * 8 for f in (4, 2)} - {s})) + (None,)
 
 
 def _pad_slots(z_BCD, entries, k: int):
