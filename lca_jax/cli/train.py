@@ -47,9 +47,7 @@ def _fail_multi(exit_now, msg: str, code: int = 2) -> int:
   return code
 
 
-def main(argv=None) -> int:
-  if argv is None:  # run as a program: large host buffers on huge pages (lca_jax/hostmem.py)
-    hostmem.use_huge_pages()
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
     prog="lca-train",
     description=__doc__.split("\n\n")[0],
@@ -102,60 +100,95 @@ def main(argv=None) -> int:
     help="exit (status 3) when no step / eval / checkpoint completes for S "
     "seconds after the first step (default LCA_WATCHDOG or 0 = off)",
   )
-  args, rest = parser.parse_known_args(argv)
-  one_line_warnings("lca-train")
+  return parser
 
-  # deferred: jax, then (once the config is valid) flax, orbax, grain and the training loop take
-  # seconds to import, which --help and usage errors skip
+
+def _checked_config(args, rest):
+  """The run config (file + overrides), checked before the work directory is created or
+  locked: a bad value never touches it. Raises ValueError (ConfigFileError, ConfigError)."""
   from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
 
+  config = configs_io.load_config(args.config)
+  configs_io.apply_overrides(config, configs_io.split_overrides(rest))
+  run_config.validate_run_config(config, min_steps=1)
+  if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+    raise ValueError(f"--workdir {args.workdir} exists and is not a directory")
+  # a work directory to resume whose train_config.json is damaged: named, not a traceback
+  run_config.read_run_config(args.workdir)
+  return config
+
+
+def _watchdog_s(args) -> float:
+  v = args.watchdog if args.watchdog is not None else os.environ.get("LCA_WATCHDOG", "0") or 0
   try:
-    overrides = configs_io.split_overrides(rest)
-    config = configs_io.load_config(args.config)
-    configs_io.apply_overrides(config, overrides)
-    # before the work directory is created or locked: a bad value never touches it
-    run_config.validate_run_config(config, min_steps=1)
-    if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
-      return _fail(f"--workdir {args.workdir} exists and is not a directory")
-    # a work directory to resume whose train_config.json is damaged: named, not a traceback
-    run_config.read_run_config(args.workdir)
-  except (ValueError, configs_io.ConfigFileError, ConfigError) as e:
+    return float(v)
+  except ValueError:
+    raise ValueError(f"LCA_WATCHDOG must be a number of seconds, got {v!r}") from None
+
+
+def _start(args, config):
+  """Join the other processes of a multi-process run (returns ``distributed.exit_now``), or set
+  up this process's CPU devices before anything starts a backend (returns None). Raises
+  MeshError / DistributedError."""
+  from lca_jax.train import distributed, sharding  # pylint: disable=g-import-not-at-top
+
+  if not distributed.wanted(os.environ, flag=args.distributed, coordinator=args.coordinator):
+    sharding.use_cpu_devices(sharding.cpu_device_count(config.mesh))
+    return None
+  dcfg = distributed.resolve(
+    args.coordinator or None,
+    args.num_processes,
+    args.process_id,
+    args.local_device_ids,
+    args.heartbeat_timeout,
+    args.init_timeout,
+  )
+  distributed.initialize(dcfg)
+  print(f"lca-train: joined: {distributed.local_process_info()}", file=sys.stderr, flush=True)
+  return distributed.exit_now
+
+
+def _summary(result) -> str:
+  """The run's last line: where it stopped, its last loss / eval, the records it skipped."""
+  msg = f"lca-train: done at step {result.step}"
+  if result.stopped:
+    how = "interrupted" if result.interrupted else "stopped"
+    msg = f"lca-train: {how} at step {result.step} (checkpoint saved; rerun to resume)"
+  if result.last_train:
+    msg += f", loss {result.last_train.get('loss', float('nan')):.4f}"
+  if result.last_eval:
+    msg += f", eval bpb_ntp {result.last_eval['bpb_ntp']:.4f}"
+  if result.skipped:
+    msg += (
+      f", {sum(result.skipped.values())} bad records skipped ("
+      + ", ".join(f"{k} {v}" for k, v in sorted(result.skipped.items()))
+      + ")"
+    )
+  return msg + f" ({result.workdir})"
+
+
+def main(argv=None) -> int:
+  if argv is None:  # run as a program: large host buffers on huge pages (lca_jax/hostmem.py)
+    hostmem.use_huge_pages()
+  args, rest = _parser().parse_known_args(argv)
+  one_line_warnings("lca-train")
+  # deferred: jax, then (once the config is valid) flax, orbax, grain and the training loop take
+  # seconds to import, which --help and usage errors skip
+  try:
+    config = _checked_config(args, rest)
+    watchdog = _watchdog_s(args)
+  except ValueError as e:  # ConfigFileError, ConfigError, RunConfigError are ValueErrors
     return _fail(str(e))
 
+  from lca_jax import xla_cache  # pylint: disable=g-import-not-at-top
   from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
-  from lca_jax.train import distributed, loop, sharding  # pylint: disable=g-import-not-at-top
+  from lca_jax.train import distributed, loop, run_config, sharding  # pylint: disable=g-import-not-at-top
   from lca_jax.train.manifest import CorruptCheckpointError  # pylint: disable=g-import-not-at-top
 
   try:
-    watchdog = float(
-      args.watchdog if args.watchdog is not None else os.environ.get("LCA_WATCHDOG", "0") or 0
-    )
-  except ValueError:
-    return _fail(f"LCA_WATCHDOG must be a number of seconds, got {os.environ['LCA_WATCHDOG']!r}")
-  multi = distributed.wanted(os.environ, flag=args.distributed, coordinator=args.coordinator)
-  exit_now = distributed.exit_now if multi else None
-  if not multi:  # before anything starts a backend (a multi-process run keeps jax's default)
-    try:
-      sharding.use_cpu_devices(sharding.cpu_device_count(config.mesh))
-    except sharding.MeshError as e:
-      return _fail(str(e))
-  if multi:
-    try:
-      dcfg = distributed.resolve(
-        args.coordinator or None,
-        args.num_processes,
-        args.process_id,
-        args.local_device_ids,
-        args.heartbeat_timeout,
-        args.init_timeout,
-      )
-      distributed.initialize(dcfg)
-    except distributed.DistributedError as e:
-      return _fail(str(e))
-    print(f"lca-train: joined: {distributed.local_process_info()}", file=sys.stderr, flush=True)
-
-  from lca_jax import xla_cache  # pylint: disable=g-import-not-at-top
-
+    exit_now = _start(args, config)
+  except (sharding.MeshError, distributed.DistributedError) as e:
+    return _fail(str(e))
   try:
     xla_cache.enable()  # before anything compiles (LCA_JAX_XLA_CACHE)
   except xla_cache.XlaCacheError as e:
@@ -177,21 +210,7 @@ def main(argv=None) -> int:
   except KeyboardInterrupt:
     print("lca-train: interrupted", file=sys.stderr)
     return _fail_multi(exit_now, "", 130)
-  msg = f"lca-train: done at step {result.step}"
-  if result.stopped:
-    how = "interrupted" if result.interrupted else "stopped"
-    msg = f"lca-train: {how} at step {result.step} (checkpoint saved; rerun to resume)"
-  if result.last_train:
-    msg += f", loss {result.last_train.get('loss', float('nan')):.4f}"
-  if result.last_eval:
-    msg += f", eval bpb_ntp {result.last_eval['bpb_ntp']:.4f}"
-  if result.skipped:
-    msg += (
-      f", {sum(result.skipped.values())} bad records skipped ("
-      + ", ".join(f"{k} {v}" for k, v in sorted(result.skipped.items()))
-      + ")"
-    )
-  print(msg + f" ({result.workdir})", file=sys.stderr, flush=True)
+  print(_summary(result), file=sys.stderr, flush=True)
   return 130 if result.interrupted else 0
 
 
