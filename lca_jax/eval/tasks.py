@@ -155,6 +155,70 @@ def _bucket(n: int) -> int:
   return max(32, 1 << (int(n) - 1).bit_length())
 
 
+@dataclasses.dataclass
+class _Tally:
+  """The decoding figures of one run, added up over its batches (real rows only)."""
+
+  policy: policies.Policy
+  committed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  accepted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  gen_bytes: int = 0
+  steps: int = 0
+  elapsed_s: float = 0.0
+  compile_s: float = 0.0
+  compiles: int = 0
+  acc_num: float = 0.0  # acceptance rate x steps x rows, summed
+  acc_den: float = 0.0
+  latent_num: float = 0.0  # latent steps per byte x bytes, summed
+
+  def add(self, res, real: int, compiled: bool):
+    """One ``generate`` result whose first ``real`` rows are examples (the rest padding);
+    ``compiled``: the call compiled a new executable (its compile time counts)."""
+    if compiled:
+      self.compile_s += res.compile_s
+      self.compiles += 1
+    self.elapsed_s += res.elapsed_s
+    self.steps += res.steps
+    for j in range(real):
+      nb = int(np.sum((res.ids[j] >= 3) & (res.ids[j] < 259)))
+      self.gen_bytes += nb
+      self.latent_num += res.latent_steps_per_byte * nb
+      for c in res.accepted_per_step[j]:
+        self.committed[c] += 1
+        if self.policy.multi_byte:  # the candidates among them, as the loop counts them
+          self.accepted[max(c - self.policy.head_bytes, 0)] += 1
+    if self.policy.multi_byte and not math.isnan(res.acceptance_rate):
+      w = sum(len(r) for r in res.accepted_per_step)  # steps x rows: proposals per step fixed
+      self.acc_num += res.acceptance_rate * w
+      self.acc_den += w
+
+  def figures(self) -> Dict[str, Any]:
+    nan = float("nan")
+    return {
+      "acceptance_rate": self.acc_num / self.acc_den if self.acc_den else nan,
+      "bytes_per_s": self.gen_bytes / self.elapsed_s if self.elapsed_s > 0 else nan,
+      "generated_bytes": self.gen_bytes,
+      "steps": self.steps,
+      "elapsed_s": self.elapsed_s,
+      "compile_s": self.compile_s,
+      "compiles": self.compiles,
+      "latent_steps_per_byte": self.latent_num / self.gen_bytes if self.gen_bytes else nan,
+      "committed_hist": {int(k): v for k, v in sorted(self.committed.items())},
+      "accepted_hist": {int(k): v for k, v in sorted(self.accepted.items())},
+    }
+
+
+def _sampling(task: str, temperature: Optional[float], top_p: Optional[float]) -> dict:
+  """The task's decoding (greedy, or the paper's sampling for IFEval) with any override."""
+  samp = dict(temperature=0.0, top_p=1.0)
+  samp.update(SAMPLING.get(task, {}))
+  if temperature is not None:
+    samp["temperature"] = float(temperature)
+  if top_p is not None:
+    samp["top_p"] = float(top_p)
+  return samp
+
+
 def run_task(
   model,
   task: str,
@@ -177,29 +241,16 @@ def run_task(
   engine.check_options(mode=mode)
   policy = policies.POLICIES[mode]
   max_bytes = int(max_bytes or DEFAULT_MAX_BYTES[task])
-  samp = dict(temperature=0.0, top_p=1.0)
-  samp.update(SAMPLING.get(task, {}))
-  if temperature is not None:
-    samp["temperature"] = float(temperature)
-  if top_p is not None:
-    samp["top_p"] = float(top_p)
+  samp = _sampling(task, temperature, top_p)
+  # shortest prompts first: a batch pads to its longest, so like lengths share batches
   order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids))
   batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
   texts: List[Optional[str]] = [None] * len(examples)
-  committed, accepted = collections.Counter(), collections.Counter()
-  gen_bytes = steps = 0
-  elapsed = compile_s = 0.0
-  acc_num = acc_den = 0.0
-  latent_num = 0.0
-  compiles = 0
-  it = batches
-  if progress:
-    it = tqdm(batches, desc=f"{task}/{mode}", unit="batch", leave=False)
+  tally = _Tally(policy)
+  it = tqdm(batches, desc=f"{task}/{mode}", unit="batch", leave=False) if progress else batches
   for bi, idx in enumerate(it):
-    real = len(idx)
-    rows = list(idx) + [idx[0]] * (batch_size - real)
+    rows = list(idx) + [idx[0]] * (batch_size - len(idx))  # a last partial batch is padded
     prompts = [examples[i].prompt_ids for i in rows]
-    pad_to = _bucket(max(len(p) for p in prompts))
     before = engine.compiled_count()
     res = model.generate(
       prompts,
@@ -209,29 +260,12 @@ def run_task(
       max_bytes=max_bytes,
       seed=seed + bi,
       drafter=drafter,
-      pad_to=pad_to,
+      pad_to=_bucket(max(len(p) for p in prompts)),
       **samp,
     )
-    if engine.compiled_count() > before:
-      compile_s += res.compile_s
-      compiles += 1
-    elapsed += res.elapsed_s
-    steps += res.steps
-    for j in range(real):
-      texts[idx[j]] = res.texts[j]
-      nb = int(np.sum((res.ids[j] >= 3) & (res.ids[j] < 259)))
-      gen_bytes += nb
-      latent_num += res.latent_steps_per_byte * nb
-      for c in res.accepted_per_step[j]:
-        committed[c] += 1
-        if policy.multi_byte:
-          accepted[max(c - policy.head_bytes, 0)] += 1  # as the loop counts them
-    if policy.multi_byte and not math.isnan(res.acceptance_rate):
-      w = sum(
-        len(r) for r in res.accepted_per_step
-      )  # steps x rows: proposals are constant per step
-      acc_num += res.acceptance_rate * w
-      acc_den += w
+    tally.add(res, len(idx), engine.compiled_count() > before)
+    for j, i in enumerate(idx):
+      texts[i] = res.texts[j]
   scores = score(task, texts, examples)
   metric = metric or HEADLINE[task]
   if metric not in scores:
@@ -254,16 +288,7 @@ def run_task(
     "metric": metric,
     "quality": float(scores[metric]),
     "metrics": scores,
-    "acceptance_rate": acc_num / acc_den if acc_den else float("nan"),
-    "bytes_per_s": gen_bytes / elapsed if elapsed > 0 else float("nan"),
-    "generated_bytes": gen_bytes,
-    "steps": steps,
-    "elapsed_s": elapsed,
-    "compile_s": compile_s,
-    "compiles": compiles,
-    "latent_steps_per_byte": latent_num / gen_bytes if gen_bytes else float("nan"),
-    "committed_hist": {int(k): v for k, v in sorted(committed.items())},
-    "accepted_hist": {int(k): v for k, v in sorted(accepted.items())},
+    **tally.figures(),
   }
   if keep_outputs:
     out["outputs"] = texts
