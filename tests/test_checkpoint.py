@@ -4,6 +4,8 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import json  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
@@ -121,6 +123,28 @@ def test_init_from_workdir(saved, tmp_path):
       tiny_config("train.steps=0", "model.d_inner=96", f"train.init_from={saved['workdir']}"),
       str(tmp_path / "other"),
     )
+
+
+def test_a_checkpoint_of_another_model_is_named_and_kept(saved, tmp_path):
+  """A train_config.json edited to another model (or a checkpoint copied from another work
+  directory): loading and resuming name the parameters that differ in one error, before any
+  restore, and the step is not taken for a corrupt one (it stays where it is)."""
+  wd = str(tmp_path / "wd")
+  shutil.copytree(saved["workdir"], wd)
+  path = os.path.join(wd, run_config.CONFIG_FILE)
+  with open(path) as f:
+    rc = json.load(f)
+  rc["model"]["d_inner"] = rc["config"]["model"]["d_inner"] = 96
+  with open(path, "w") as f:
+    json.dump(rc, f)
+  words = r"checkpoint step 2 in .* holds another model's parameters than .*train_config.json"
+  detail = r" describes \(\['boundary_predictor'\]\['fc1'\]\['bias'\] stored \(64,\), the model"
+  with pytest.raises(lca_jax.LoadError, match=words + detail + r" has \(96,\); .*\(\+12 more\)"):
+    lca_jax.load(wd)
+  with pytest.raises(ckpt_lib.CheckpointModelError, match=words):
+    loop.train_and_evaluate(tiny_config("train.steps=3", "mesh.data=8", "model.d_inner=96"), wd)
+  assert sorted(os.listdir(os.path.join(wd, ckpt_lib.CKPT_DIR))) == ["2"]
+  assert not os.path.exists(os.path.join(wd, ckpt_lib.CORRUPT_DIR))
 
 
 def test_config_diff_rules():

@@ -63,6 +63,7 @@ from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from lca_jax.errors import LcaError, LoadError
 from lca_jax.model.config import ModelConfig
@@ -598,6 +599,7 @@ class Checkpointer:
       if not distributed.all_agree(reason is None):
         reason = reason or "unreadable on another process"
       if reason is None:
+        check_step_model(self.workdir, step, abstract_state.params)  # not corrupt: named
         try:
           state = self.restore(step, abstract_state, data_iterator)
         except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
@@ -666,6 +668,7 @@ def restore_params(workdir: str, abstract_params, step: Optional[int] = None):
       reason = verify_step(os.path.join(directory, str(step)))
       if reason is not None:
         raise CorruptCheckpointError(f"{workdir}: checkpoint step {step} is corrupt ({reason})")
+      check_step_model(workdir, step, abstract_params)
       return restore(step)
     steps = sorted(mngr.all_steps(), reverse=True)
     if not steps:
@@ -676,6 +679,7 @@ def restore_params(workdir: str, abstract_params, step: Optional[int] = None):
       # the training run that resumes this directory sets it aside).
       reason = verify_step(os.path.join(directory, str(s)))
       if reason is None:
+        check_step_model(workdir, s, abstract_params)  # another model's step is not corrupt
         try:
           return restore(s)
         except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
@@ -689,6 +693,47 @@ def restore_params(workdir: str, abstract_params, step: Optional[int] = None):
       )
     raise CorruptCheckpointError(
       f"no readable checkpoint in {directory}: " + "; ".join(f"step {s}: {r}" for s, r in bad)
+    )
+
+
+# ---- a checkpoint of another model ----------------------------------------------------------
+class CheckpointModelError(TrainError):
+  """A checkpoint's parameters are not those of the model its run config describes (a
+  hand-edited train_config.json, a checkpoint copied from another work directory): named
+  before the restore, and the step is not treated as corrupt (never set aside)."""
+
+
+def _model_mismatch(step_dir: str, abstract_params) -> Optional[str]:
+  """Where the parameters stored in checkpoint step ``step_dir`` differ from
+  ``abstract_params`` (names, shapes; the first three); None when they agree, or when the
+  step's metadata cannot be read (its restore then reports why, as for a corrupt step)."""
+  try:
+    stored_tree = ocp.StandardCheckpointHandler().metadata(epath.Path(step_dir) / "params")
+  except Exception:  # noqa: BLE001 - unreadable metadata is the restore's to report
+    return None
+  shape = lambda leaves: {jax.tree_util.keystr(k): tuple(v.shape) for k, v in leaves}
+  stored = shape(jax.tree_util.tree_leaves_with_path(stored_tree))
+  want = shape(jax.tree_util.tree_leaves_with_path(abstract_params))
+  diffs = [
+    f"{k} stored {stored[k] if k in stored else 'nowhere'}, the model has {w}"
+    for k, w in want.items()
+    if stored.get(k) != w
+  ] + [f"{k} stored, not in the model" for k in sorted(set(stored) - set(want))]
+  if not diffs:
+    return None
+  more = f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else ""
+  return "; ".join(diffs[:3]) + more
+
+
+def check_step_model(workdir: str, step: int, abstract_params) -> None:
+  """``CheckpointModelError`` when checkpoint ``step`` of ``workdir`` holds another model's
+  parameters than ``abstract_params`` (those of the model its run config describes)."""
+  diff = _model_mismatch(os.path.join(checkpoint_dir(workdir), str(step)), abstract_params)
+  if diff is not None:
+    raise CheckpointModelError(
+      f"checkpoint step {step} in {checkpoint_dir(workdir)} holds another model's parameters "
+      f"than {os.path.join(workdir, CONFIG_FILE)} describes ({diff}); restore that file's "
+      "model, or use a new --workdir"
     )
 
 
@@ -720,6 +765,6 @@ def load_for_inference(path: str, step: Optional[int] = None):
   abstract = abstract_params(cfg, jax.numpy.float32, dev)
   try:
     params = restore_params(path, abstract, step)
-  except (FileNotFoundError, CorruptCheckpointError) as e:
+  except (FileNotFoundError, CorruptCheckpointError, CheckpointModelError) as e:
     raise LoadError(str(e)) from None
   return cfg, params
