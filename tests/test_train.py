@@ -226,9 +226,12 @@ def test_cli_unknown_config_key(tmp_path, capsys):
   ],
 )
 def test_cli_clear_errors(tmp_path, capsys, overrides, needle):
-  code, err = run_cli(capsys, tmp_path, *overrides)
+  wd = tmp_path / "wd"
+  code, err = run_cli(capsys, wd, *overrides)
   assert code == 2 and needle in err, err
   assert "Traceback" not in err and len(err.splitlines()) == 1
+  if needle == "no files match":  # found before the work directory is created
+    assert not wd.exists()
 
 
 def test_cli_unwritable_workdir(tmp_path, capsys):

@@ -368,11 +368,11 @@ def train_and_evaluate(
 
   cfg_dict = config.to_dict()
   model_cfg = model_config_of(config)
+  inputs.check_data_files(config)  # a data glob that matches nothing leaves no work directory
   workdir = prepare_workdir(workdir)
   with contextlib.ExitStack() as cleanup:  # unwinds in reverse order: the workdir lock last
     # before anything in the workdir is read or written (the Checkpointer removes tmp dirs)
     cleanup.callback(workdir_lock.acquire(workdir, jax.process_index()).release)
-    inputs.check_data_files(config)
     setup = prepare(config, devices)
     plan, mesh, total = setup.plan, setup.mesh, int(config.train.steps)
     keep, async_save = int(config.train.keep_checkpoints), bool(config.train.async_checkpointing)
