@@ -241,10 +241,16 @@ def test_steps_read_only_the_lm_cache_slots_that_hold_groups():
   counts pick each width give the full forward's logits and boundaries, block after block."""
   rng = np.random.default_rng(7)
   length, t, b = 300, 260, 2
-  reads = incremental.lm_reads(length + 1)
-  assert reads == (80, 152, None) and incremental.lm_reads(incremental.LM_READS_FROM - 1) == (None,)
   model = tiny_model("lca", factor=4.0, bp_bias=6.0)  # nearly every byte closes a group
   cfg, params = model.cfg, model.params
+  reads = incremental.lm_reads(cfg, b, length + 1)
+  assert reads == (80, 152, None)
+  assert incremental.lm_reads(cfg, b, incremental.LM_READS_FROM - 1) == (None,)
+  # a 60M-shaped LM (d 512, 8 heads): its 385-slot cache weighs in a step at batch 32 only
+  big = ModelConfig(d_model=512, d_inner=2048, n_heads=8, n_kv_heads=8)
+  assert (
+    incremental.lm_reads(big, 1, 385) == (None,) and len(incremental.lm_reads(big, 32, 385)) == 3
+  )
   ids = np.stack([random_ids(rng, t) for _ in range(b)])
   ref = model.forward(ids)
   ext = jax.jit(lambda st, x, ks: incremental.extend(cfg, params, st, x, ks, True))

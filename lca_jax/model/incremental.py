@@ -229,7 +229,7 @@ def _latents(
   # one branch per (slots run over, cache slots read): the smallest of each that holds every
   # row's new groups and every row's earlier slots; a fresh LM cache holds the null group only
   widths = lm_widths(k)
-  reads = (1,) if fresh else lm_reads(state.z.shape[1])
+  reads = (1,) if fresh else lm_reads(cfg, b, state.z.shape[1])
   n_new = cum[:, -1].max()
   i_width = jnp.sum(jnp.asarray(widths) < n_new)
   i_read = jnp.sum(jnp.asarray(reads[:-1], jnp.int32) < first_slot.max())
@@ -275,15 +275,27 @@ def lm_widths(k: int) -> tuple:
 
 
 # A step reads only the first S/4 or S/2 of the LM cache's S slots when they hold every row's
-# earlier groups (a trained model fills about one slot per 3 bytes), from caches of this many
-# slots on; below it, or when they do not, all S.
+# earlier groups (a trained model fills about one slot per 3 bytes), from caches of
+# LM_READS_FROM slots on whose reads are at least LM_READS_SHARE of the LM weights' (so a batch
+# of rows or a long context: at batch 1 and a few hundred slots the weights decide the step,
+# and the extra LM copies would only cost compile time); otherwise, or when they do not, all S.
 LM_READS_FROM = 256
+LM_READS_SHARE = 0.25
 
 
-def lm_reads(s: int) -> tuple:
+def lm_cache_share(cfg: ModelConfig, batch: int, slots: int) -> float:
+  """Bytes of the LM's KV caches a step over ``slots`` slots reads, per byte of LM weights
+  (both in the compute dtype): batch x slots x (k, v) over a layer's parameters."""
+  d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+  weights = 2 * d * d + 2 * d * kv + 3 * d * cfg.d_inner  # q, o; k, v; gate, up, down
+  return batch * slots * 2 * kv / weights
+
+
+def lm_reads(cfg: ModelConfig, batch: int, s: int) -> tuple:
   """The LM cache slots a block may read (``cached_attention``'s ``old_slots``), ascending;
-  the last is all of them (None): S/4 and S/2 rounded up to a multiple of 8, for long caches."""
-  if s < LM_READS_FROM:
+  the last is all of them (None): S/4 and S/2 rounded up to a multiple of 8, for long caches
+  that weigh in a step (``LM_READS_FROM``, ``LM_READS_SHARE``)."""
+  if s < LM_READS_FROM or lm_cache_share(cfg, batch, s) < LM_READS_SHARE:
     return (None,)
   return tuple(sorted({-(-s // (8 * f)) * 8 for f in (4, 2)} - {s})) + (None,)
 
