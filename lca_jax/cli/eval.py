@@ -142,10 +142,6 @@ def _parser():
   return p
 
 
-def _load(path, step=None, dtype=None):
-  return api.load(path, step=step, dtype=dtype)
-
-
 def _at_least(name: str, value, low: int = 1):
   if value is not None and value < low:
     fail(f"{name} must be >= {low}, got {value}")
@@ -188,7 +184,7 @@ def _cmd_bpb(a) -> int:
   if a.sft_format:
     if a.sft_format not in SFT_FORMATS:
       fail(f"unknown --sft-format {a.sft_format!r}; choose one of {', '.join(SFT_FORMATS)}")
-  model = _load(a.checkpoint, a.step, a.dtype)
+  model = api.load(a.checkpoint, step=a.step, dtype=a.dtype)
   seq_len = model.cfg.max_seq_len if a.seq_len is None else a.seq_len
   if seq_len > model.cfg.max_seq_len:
     fail(
@@ -272,8 +268,8 @@ def _cmd_tasks(a) -> int:
   _check_gen_args(a)
   if a.out:
     check_out_file(a.out)
-  model = _load(a.checkpoint, dtype=a.dtype)
-  drafter = _load(a.drafter, dtype=a.dtype) if a.drafter else None
+  model = api.load(a.checkpoint, dtype=a.dtype)
+  drafter = api.load(a.drafter, dtype=a.dtype) if a.drafter else None
   max_bytes = tasks.DEFAULT_MAX_BYTES[a.task] if a.max_bytes is None else a.max_bytes
   ctx = min(model.cfg.max_seq_len, drafter.cfg.max_seq_len if drafter else model.cfg.max_seq_len)
   examples = tasks.load_examples(

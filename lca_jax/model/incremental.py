@@ -269,9 +269,12 @@ LM_WIDTHS_FROM = 64
 def lm_widths(k: int) -> tuple:
   """The slot counts the latent LM may run over for a block of ``k`` bytes per row, ascending
   (the last is k): K/4 and K/2 rounded up to a multiple of 8, for long blocks."""
-  if k < LM_WIDTHS_FROM:
-    return (k,)
-  return tuple(sorted({-(-k // (8 * f)) * 8 for f in (4, 2)} - {k})) + (k,)
+  return (k,) if k < LM_WIDTHS_FROM else _quarter_half(k) + (k,)
+
+
+def _quarter_half(n: int) -> tuple:
+  """n/4 and n/2 rounded up to a multiple of 8, ascending, without n itself."""
+  return tuple(sorted({-(-n // (8 * f)) * 8 for f in (4, 2)} - {n}))
 
 
 # A step reads only the first S/4 or S/2 of the LM cache's S slots when they hold every row's
@@ -297,7 +300,7 @@ def lm_reads(cfg: ModelConfig, batch: int, s: int) -> tuple:
   that weigh in a step (``LM_READS_FROM``, ``LM_READS_SHARE``)."""
   if s < LM_READS_FROM or lm_cache_share(cfg, batch, s) < LM_READS_SHARE:
     return (None,)
-  return tuple(sorted({-(-s // (8 * f)) * 8 for f in (4, 2)} - {s})) + (None,)
+  return _quarter_half(s) + (None,)
 
 
 def _pad_slots(z_BCD, entries, k: int):
