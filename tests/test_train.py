@@ -124,14 +124,16 @@ def test_sigterm_checkpoints_and_resumes(tmp_path, straight):
   assert_trees_equal(host_params(res2.state), straight["params"])
 
 
-def test_sharded_step_matches_single_device():
+@pytest.mark.parametrize("scan_min_layers", [8, 2])  # 2: the LM and LCA stacks run as scans
+def test_sharded_step_matches_single_device(scan_min_layers):
   batches = [{k: np.asarray(v) for k, v in b.items()} for b in _batches(2)]
   results = []
   for mesh, devs in (
     (("mesh.data=1",), jax.devices()[:1]),
     (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), jax.devices()),
   ):
-    setup = loop.prepare(tiny_config("train.steps=10", *mesh), devs)
+    scan = f"model.scan_min_layers={scan_min_layers}"
+    setup = loop.prepare(tiny_config("train.steps=10", scan, *mesh), devs)
     state = setup.init_state()
     losses = []
     with shd.mesh_context(setup.mesh):

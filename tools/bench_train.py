@@ -12,7 +12,7 @@ host->device copy is). Same jitted step, mesh and shardings as lca-train.
 Before running, it compiles the step and prints what it costs (``lca_jax/train/costs.py``):
 ``xla_flops`` (XLA cost analysis of the compiled step: one device's program x the devices of the
 mesh; ``xla_flops_per_device``), ``executed_flops`` (that plus the
-attention tiles XLA's analysis does not see inside loops), ``useful_flops`` (6 x params per
+attention tiles and scanned layers XLA's analysis does not see inside loops), ``useful_flops`` (6 x params per
 stage x tokens through it + the attention the masks need, on a regular layout of groups of
 ``--group-len`` bytes, default 1 / bp_prior), their ratio, the tiles each attention stack runs,
 the compiled step's temp memory (``memory_analysis``, per device), its largest buffer and every buffer with
@@ -60,7 +60,7 @@ def step_costs(setup, group_len=None):
   params = setup.abstract.params
   doc, _, lplan = costs.regular_layout(cfg, p.micro, p.seq_len, group_len)
   useful = costs.useful_flops(cfg, params, doc, lplan)
-  loops = costs.attention_loop_correction(cfg, doc, lplan, p.micro)
+  loops = costs.loop_correction(cfg, params, doc, lplan)
   # XLA's analysis is of one device's partitioned program: the whole mesh executes
   # devices x that (replicated work counts once per device that does it). The tile correction
   # is already for the whole micro-batch (all rows, all heads).

@@ -111,6 +111,10 @@ class ModelConfig:
   attn_parallel: int = 1  # independent blockwise loop nests per call (0 = host cores on CPU)
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: bool = False
+  # full forwards (training, evaluation) run a stack of at least this many layers as one
+  # lax.scan: one block compiled instead of one per layer (layers.Stack._scanned; compile time
+  # of deep stacks); 0 = never. Decoding always runs them unrolled.
+  scan_min_layers: int = 8
 
   def __post_init__(self):
     def check(ok, msg):
@@ -184,6 +188,10 @@ class ModelConfig:
   @property
   def bp_beta(self) -> float:
     return self.bp_prior - self.bp_lower_k * self.bp_prior_std
+
+  def scans(self, n_layers: int) -> bool:
+    """Whether a stack of ``n_layers`` runs as one scan in full forwards (``scan_min_layers``)."""
+    return n_layers > 1 and 0 < self.scan_min_layers <= n_layers
 
   def causal_blocks(self, length: int) -> tuple[int, int]:
     """(block_q, block_k) of a causal stack's blockwise attention over ``length`` tokens.

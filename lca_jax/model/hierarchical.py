@@ -52,8 +52,8 @@ class ByteLM(nn.Module):
   def setup(self):
     c = self.cfg
     dt = jnp.dtype(c.dtype)
-    stack = functools.partial(
-      Stack,
+    stack = lambda n: Stack(
+      n,
       n_heads=c.n_heads,
       n_kv_heads=c.n_kv_heads,
       d_inner=c.d_inner,
@@ -62,6 +62,7 @@ class ByteLM(nn.Module):
       dtype=dt,
       dropout=c.dropout,
       remat=c.remat,
+      scan=c.scans(n),
       rope_len=c.max_seq_len,
     )
     self.token_embedding = nn.Embed(

@@ -518,6 +518,51 @@ class Stack(nn.Module):
   dropout: float = 0.0
   remat: bool = False
   rope_len: int = 0
+  scan: bool = False  # without caches, run the blocks as one lax.scan (see ``_scanned``)
+
+  def _block(self, cls, **kw):
+    return cls(
+      self.n_heads,
+      self.n_kv_heads,
+      self.d_inner,
+      self.rope_base,
+      self.eps,
+      self.dtype,
+      self.dropout,
+      self.rope_len,
+      **kw,
+    )
+
+  def _scanned(self, x, positions, mask, kernel, deterministic):
+    """The blocks as one ``lax.scan`` over their parameters stacked on a new leading axis: the
+    program holds one block instead of ``n_layers`` (compile time; the paper-scale LM has 16),
+    and the parameters keep their per-layer layout (``layer_{i}``: checkpoints, converter and
+    sharding rules are those of the unrolled stack). The stacked copy and, in the backward
+    pass, the unstacking of its gradient are one read and write of the stack's weights per
+    step. Each layer's dropout draws from its own key, split from this module's."""
+    n = self.n_layers
+    params = nn.unbox(self.variables["params"])
+    stacked = jax.tree.map(lambda *p: jnp.stack(p), *[params[f"layer_{i}"] for i in range(n)])
+    drop = not deterministic and self.dropout > 0
+    keys = jax.random.split(self.make_rng("dropout"), n) if drop else jnp.zeros((n,))
+    block = self._block(Block, parent=None)  # unbound: applied to each layer's slice of ``stacked``
+
+    def body(x, layer):
+      p, key = layer
+      y, _ = block.apply(
+        {"params": p},
+        x,
+        positions,
+        mask,
+        kernel=kernel,
+        deterministic=deterministic,
+        rngs={"dropout": key} if drop else None,
+      )
+      return y, None
+
+    if self.remat:
+      body = jax.checkpoint(body, prevent_cse=False)
+    return jax.lax.scan(body, x, (stacked, keys))[0]
 
   @nn.compact
   def __call__(
@@ -537,7 +582,12 @@ class Stack(nn.Module):
   ):
     """``rows_BR`` [B, R] keeps only those positions after the last layer (the output is
     [B, R, D]; every layer still computes, and over caches writes, all T positions' keys and
-    values). ``old_slots``: see ``Attention``."""
+    values). ``old_slots``: see ``Attention``. With ``scan`` (a full forward of more than one
+    layer, all positions kept, parameters already made) the blocks run as one scan and the
+    per-layer keys and values are not returned (None)."""
+    if self.scan and caches is None and rows_BR is None and self.n_layers > 1:
+      if not self.is_initializing():
+        return self._scanned(x, positions, mask, kernel, deterministic), None
     # remat only saves activation memory for a backward pass: decoding (caches) runs plain
     # blocks, whose cache writes may be deferred (``defer_write``) out of a ``lax.cond``
     remat = self.remat and caches is None
@@ -545,17 +595,7 @@ class Stack(nn.Module):
     new_caches = []
     for i in range(self.n_layers):
       rows = rows_BR if i == self.n_layers - 1 else None
-      blk = block_cls(
-        self.n_heads,
-        self.n_kv_heads,
-        self.d_inner,
-        self.rope_base,
-        self.eps,
-        self.dtype,
-        self.dropout,
-        self.rope_len,
-        name=f"layer_{i}",
-      )
+      blk = self._block(block_cls, name=f"layer_{i}")
       cache = None if caches is None else caches[i]
       if remat:
         args = (kernel, cache, write_B, deterministic, window_B, defer_write, rows, old_slots)

@@ -17,9 +17,10 @@ the causal stacks and ~1.5 groups for the LCA head. Padded vocabulary rows count
 
 Executed FLOPs: XLA's ``cost_analysis()`` of the compiled step, which counts the body of every
 while loop once. The blockwise attention (``model/attention.py``) runs its tiles in loops, so
-``attention_loop_correction`` adds, per attention call, (tiles - 1) x the matmul FLOPs of one
+``loop_correction`` adds, per attention call, (tiles - 1) x the matmul FLOPs of one
 tile (forward QK^T, PV; backward QK^T, dV, dP, dQ, dK; remat repeats the forward), with the
-tile count from the same schedule the step computes. The latent LM is executed over its
+tile count from the same schedule the step computes; and a stack whose layers run as one scan
+(``ModelConfig.scans``) is counted as one layer, so the others' dense products and tiles are added. The latent LM is executed over its
 capacity S (``ModelConfig.latent_capacity``), not over the real slots: that is where a capacity
 above the real compression shows up.
 
@@ -118,20 +119,28 @@ def useful_flops(cfg: ModelConfig, params, doc_BT, plan) -> dict:
   return out
 
 
-def attention_loop_correction(cfg: ModelConfig, doc_BT, plan, rows: int) -> dict:
-  """Tiles each attention call executes and the FLOPs XLA's cost analysis does not see: it
-  counts one tile per tile loop, ``LOOPS_PER_BLOCK`` per query-block nest, whatever ran (the
-  correction is negative when fewer tiles ran)."""
-  if cfg.attention_impl != "xla":
-    return {"tiles": {}, "flops": 0.0}
+def loop_correction(cfg: ModelConfig, params, doc_BT, plan) -> dict:
+  """Tiles each attention call executes and the FLOPs XLA's cost analysis does not see, since
+  it counts a loop's body once: in each tile loop one tile, ``LOOPS_PER_BLOCK`` per query-block
+  nest, whatever ran (the correction is negative when fewer tiles ran); in a stack whose
+  layers run as one scan (``ModelConfig.scans``), one layer, so the other layers' dense products
+  (2 FLOPs per multiply-add forward, 4 backward, 2 more under remat, over every position the
+  stack runs: the latent LM's capacity) and their tile loops are added."""
+  rows = doc_BT.shape[0]
   fwd_passes = 2 if cfg.remat else 1
   tiles, flops = {}, 0.0
   for name, layers, lo, bq, bk in attention_stacks(cfg, doc_BT, plan):
+    scanned = layers - 1 if cfg.scans(layers) else 0
+    dense = (2.0 * fwd_passes + 4.0) * count_params(params[name]) / layers
+    flops += scanned * dense * rows * lo.shape[1]
+    if cfg.attention_impl != "xla":
+      continue
     bq, bk = min(bq, lo.shape[1]), min(bk, lo.shape[1])
     n = int(tiles_visited(lo, bq, bk))
     tiles[name] = n
     per_tile = 2.0 * rows * cfg.n_heads * bq * bk * cfg.head_dim * (2 * fwd_passes + 5)
-    flops += layers * (n - LOOPS_PER_BLOCK) * per_tile
+    counted = LOOPS_PER_BLOCK * (layers - scanned)  # tiles XLA's analysis sees in this stack
+    flops += (layers * n - counted) * per_tile
   return {"tiles": tiles, "flops": flops}
 
 

@@ -42,6 +42,7 @@ RESUME_MUTABLE = (
   "data.eval_files",
   "model.attention_impl",
   "model.remat",
+  "model.scan_min_layers",
   "model.max_seq_len",
   "model.attn_block_q",
   "model.attn_block_k",
