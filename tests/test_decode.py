@@ -201,6 +201,7 @@ def test_a_long_block_runs_the_lm_over_its_groups_only(name):
   widths = incremental.lm_widths(k)
   short = incremental.LM_WIDTHS_FROM - 1
   assert widths == (24, 48, k) and incremental.lm_widths(short) == (short,)
+  assert incremental.lm_widths(k, "gpu") == (k,)  # one LM to compile on an accelerator
   ids = np.stack([random_ids(rng, t) for _ in range(b)])
   if name == "spacebyte":  # closes follow spaces: few in row 0, one every other byte in row 1
     ids[0, 40:48] = vocab.encode(" ")[0]

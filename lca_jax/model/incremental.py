@@ -228,7 +228,7 @@ def _latents(
 
   # one branch per (slots run over, cache slots read): the smallest of each that holds every
   # row's new groups and every row's earlier slots; a fresh LM cache holds the null group only
-  widths = lm_widths(k)
+  widths = lm_widths(k, jax.default_backend())
   reads = (1,) if fresh else lm_reads(cfg, b, state.z.shape[1])
   n_new = cum[:, -1].max()
   i_width = jnp.sum(jnp.asarray(widths) < n_new)
@@ -262,14 +262,21 @@ def _latents(
 # A block of at least LM_WIDTHS_FROM bytes per row (a prefill) runs the latent LM over the
 # first K/4 or K/2 of its K slots when they hold every row's new groups: a trained model closes
 # about one group per 1 / bp_prior (3) bytes, and the slots past a row's groups are empty.
-# Each width is one more LM to compile (docs/design.md §6.5 has the measured trade-off).
+# Each width is one more LM to compile (docs/design.md §6.5 has the measured trade-off), so
+# only on the backends where the LM over a prefill's slots costs what its compile does (CPU:
+# 0.75 s over K vs 0.37 s over K/4 at paper scale); on an accelerator a batch-1 prefill's LM
+# takes well under a millisecond at any width, and compile time is what a run waits on.
 LM_WIDTHS_FROM = 64
+LM_WIDTHS_BACKENDS = ("cpu",)
 
 
-def lm_widths(k: int) -> tuple:
+def lm_widths(k: int, backend: str = "cpu") -> tuple:
   """The slot counts the latent LM may run over for a block of ``k`` bytes per row, ascending
-  (the last is k): K/4 and K/2 rounded up to a multiple of 8, for long blocks."""
-  return (k,) if k < LM_WIDTHS_FROM else _quarter_half(k) + (k,)
+  (the last is k): K/4 and K/2 rounded up to a multiple of 8, for long blocks on
+  ``LM_WIDTHS_BACKENDS``."""
+  if k < LM_WIDTHS_FROM or backend not in LM_WIDTHS_BACKENDS:
+    return (k,)
+  return _quarter_half(k) + (k,)
 
 
 def _quarter_half(n: int) -> tuple:
