@@ -94,6 +94,7 @@ PARTS = [
   "bench_decode_graphs",
   "test_decode",
   "test_model",
+  "bench_train_unrolled",
 ]
 
 
@@ -154,12 +155,15 @@ def test_rehearsal(tmp_path, monkeypatch):
     ("bench_decode", "configs/lca_mbp.py"),
     ("tests/test_decode.py",),
     ("tests/test_model_parity.py", "tests/test_model_causality.py"),
+    ("bench_train", "configs/lca_mbp.py"),
   ]
   # the paper-scale shapes of the issue: bench_kernel's defaults, micro-batch 16 first
   assert load_tool("bench_kernel").parse_args([]).seq == 4096
   train = calls[4][3]
   assert "--config.train.micro_batch_size=16" in train
   assert "--config.train.global_batch_bytes=65536" in train
+  trains = [c[3] for c in calls[2:] if c[3][0] == "tools/bench_train.py"]
+  assert ["--config.model.scan_min_layers=0" in a for a in trains] == [False, False, True]
   decode = [c[3] for c in calls[2:] if c[3][0] == "tools/bench_decode.py"]
   assert [(a[a.index("--batch") + 1], a[a.index("--n") + 1]) for a in decode] == [
     ("1", "3"),

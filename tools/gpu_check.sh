@@ -19,7 +19,9 @@
 #   PARTS               the parts to run, in order (default: all, most important first:
 #                       test_kernels bench_kernel bench_train_pallas bench_decode_b1
 #                       bench_train_xla bench_decode_b32 bench_decode_n6
-#                       bench_decode_graphs test_decode test_model); a part's JSON is printed
+#                       bench_decode_graphs test_decode test_model bench_train_unrolled:
+#                       bench_train_xla with every stack unrolled, against its scanned LM,
+#                       docs/design.md §2.2); a part's JSON is printed
 #                       when it ends, so each decode batch size is a part of its own (a
 #                       timeout loses one, not all); the tools write a line to the part's .err
 #                       as each phase ends, and the script ends with one line of figures per
@@ -55,7 +57,7 @@ fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
 ALL="test_kernels bench_kernel bench_train_pallas bench_decode_b1 bench_train_xla bench_decode_b32"
-ALL="$ALL bench_decode_n6 bench_decode_graphs test_decode test_model"
+ALL="$ALL bench_decode_n6 bench_decode_graphs test_decode test_model bench_train_unrolled"
 PARTS=${PARTS:-$ALL}
 DECODE_MODES=${DECODE_MODES:-ntp,threshold_tau0,verify}
 # bench_decode_graphs: the batch-1 decode again with XLA's CUDA-graph command buffers also over
@@ -115,11 +117,13 @@ part() {  # name limit_s command...: run one part within what is left of the bud
   return $rc
 }
 
-train() {  # name impl: the paper-scale train step, the largest of TRAIN_ROWS micro-batches that runs
+train() {  # name impl [override...]: the paper-scale train step, the largest of TRAIN_ROWS
+  # micro-batches that runs
   local name=$1 impl=$2 rows
+  shift 2
   for rows in $TRAIN_ROWS; do
     part "$name" 200 python3 tools/bench_train.py --config "$TRAIN_CFG" "${TRAIN_STEPS[@]}" \
-      "${TRAIN_DATA[@]}" --config.model.attention_impl="$impl" \
+      "${TRAIN_DATA[@]}" --config.model.attention_impl="$impl" "$@" \
       --config.train.micro_batch_size="$rows" --config.train.global_batch_bytes=$((rows * TRAIN_SEQ)) \
       && return 0
     grep -qiE "RESOURCE_EXHAUSTED|out of memory" "$OUT/$name.err" || return 1
@@ -135,6 +139,7 @@ for p in $PARTS; do
     bench_kernel) part "$p" 120 python3 tools/bench_kernel.py "${KERNEL[@]}" ;;
     bench_train_xla) train "$p" xla ;;
     bench_train_pallas) train "$p" pallas ;;
+    bench_train_unrolled) train "$p" xla --config.model.scan_min_layers=0 ;;
     bench_decode_b1) part "$p" 200 python3 tools/bench_decode.py "${DECODE[@]}" \
       --batch 1 --modes "$DECODE_MODES" --n 3 ;;
     bench_decode_b32) part "$p" 120 python3 tools/bench_decode.py "${DECODE[@]}" \
