@@ -340,7 +340,10 @@ def test_lock_in_process_and_without_flock(tmp_path, monkeypatch):
 
 
 # ---- multi-process failures ---------------------------------------------------------------
-HEARTBEAT = 5
+# The heartbeat timeout of these runs: a dead peer must be noticed within it, and live peers
+# must not miss it while both compile on a loaded machine (CI on 2 cores, with a second test
+# worker, once saw both processes miss a 5 s window before the first step).
+HEARTBEAT = 15
 
 
 def _two_processes(tmp_path, port, env, heartbeat, args) -> list:
