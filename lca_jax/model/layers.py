@@ -585,9 +585,9 @@ class Stack(nn.Module):
     values). ``old_slots``: see ``Attention``. With ``scan`` (a full forward of more than one
     layer, all positions kept, parameters already made) the blocks run as one scan and the
     per-layer keys and values are not returned (None)."""
-    if self.scan and caches is None and rows_BR is None and self.n_layers > 1:
-      if not self.is_initializing():
-        return self._scanned(x, positions, mask, kernel, deterministic), None
+    full = caches is None and rows_BR is None
+    if self.scan and full and self.n_layers > 1 and not self.is_initializing():
+      return self._scanned(x, positions, mask, kernel, deterministic), None
     # remat only saves activation memory for a backward pass: decoding (caches) runs plain
     # blocks, whose cache writes may be deferred (``defer_write``) out of a ``lax.cond``
     remat = self.remat and caches is None

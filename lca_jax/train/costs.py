@@ -20,9 +20,9 @@ while loop once. The blockwise attention (``model/attention.py``) runs its tiles
 ``loop_correction`` adds, per attention call, (tiles - 1) x the matmul FLOPs of one
 tile (forward QK^T, PV; backward QK^T, dV, dP, dQ, dK; remat repeats the forward), with the
 tile count from the same schedule the step computes; and a stack whose layers run as one scan
-(``ModelConfig.scans``) is counted as one layer, so the others' dense products and tiles are added. The latent LM is executed over its
-capacity S (``ModelConfig.latent_capacity``), not over the real slots: that is where a capacity
-above the real compression shows up.
+(``ModelConfig.scans``) is counted as one layer, so the others' dense products and tiles are
+added. The latent LM is executed over its capacity S (``ModelConfig.latent_capacity``), not
+over the real slots: that is where a capacity above the real compression shows up.
 
 The group layout of a batch is only known inside the step (learned boundaries); these
 estimates use a regular layout: concat packing (one document per row) and groups of
