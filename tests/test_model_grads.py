@@ -131,12 +131,13 @@ def test_straight_through_reaches_boundary_predictor():
   assert_close_rel(loss_full - loss, 10.0 * metrics_full["bp_loss"], scale=abs(loss_full))
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_scanned_layers_same_loss_and_gradients(remat):
+@pytest.mark.parametrize("remat,impl", [(False, "xla"), (True, "xla"), (False, "pallas")])
+def test_scanned_layers_same_loss_and_gradients(remat, impl):
   """``scan_min_layers`` (a stack's layers as one lax.scan over their stacked parameters)
   computes what the unrolled stacks compute: every stack of several layers scanned, packed and
-  padded rows, remat or not."""
-  cfg = tiny_config("lca_mbp", n_enc=2, n_lm=3, n_dec=2, n_mbp=2, remat=remat, scan_min_layers=2)
+  padded rows, remat or not, the Pallas kernels (interpreted here) inside the scan too."""
+  layers = dict(n_enc=2, n_lm=3, n_dec=2, n_mbp=2)
+  cfg = tiny_config("lca_mbp", **layers, remat=remat, scan_min_layers=2, attention_impl=impl)
   loss, metrics, grads = _run(cfg.replace(scan_min_layers=0))
   loss_s, metrics_s, grads_s = _run(cfg)
   assert_close_rel(loss_s, loss)
