@@ -10,12 +10,15 @@ gradients; the schedule skips what the masks exclude; and no compiled train step
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import VARIANTS, random_ids, random_params, segmented_layout, tiny_config
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from lca_jax.model import masks
 from lca_jax.model.attention import blockwise_attention, schedule, tiles_visited
@@ -23,6 +26,7 @@ from lca_jax.model.hierarchical import ByteLM
 from lca_jax.model.layers import masked_attention
 from lca_jax.model.loss import compute_loss
 from lca_jax.train import costs
+from lca_jax.train import sharding as shd
 
 REL = 1e-5
 
@@ -250,3 +254,36 @@ def test_parallel_loop_nests_same_result(case, parallel):
   assert_rel_close(lp, l1, what="loss")
   for name, a, b in zip("qkv", gp, g1):
     assert_rel_close(a, b, what=f"d{name}")
+
+
+@pytest.mark.parametrize("kind", ["causal", "lca"])
+def test_sharded_call_schedules_each_device_alone(kind):
+  """Under a mesh whose 'data' axis splits the rows, each device runs its own rows' schedule
+  (``shard_over_mesh``): the same values and gradients as one unsharded call, and a compiled
+  program with no collective at all. Left to XLA's partitioner (``shard=False``, the control),
+  the schedule's minimum over the batch is an all-reduce that makes every device visit the
+  union of all rows' tiles."""
+  t, block, h, kv, _ = CASES["gqa_docs"]
+  parts = [_case(seed, t, block, h, kv, docs=True) for seed in (5, 6)]
+  q, k, v, doc, grp = (jnp.concatenate(x) for x in zip(*parts))  # 6 rows
+  lo = (masks.lca_key_start if kind == "lca" else lambda g, d: masks.causal_key_start(d))(grp, doc)
+  w = jnp.asarray(np.random.default_rng(3).standard_normal(q.shape), jnp.float32)
+
+  def out_and_grads(q, k, v, lo, shard):  # cotangent w, so that no loss sums over the rows
+    f = lambda q, k, v: blockwise_attention(q, k, v, lo, block_q=block, block_k=block, shard=shard)
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(w)
+
+  fn = lambda shard: jax.jit(functools.partial(out_and_grads, shard=shard))
+  o1, g1 = fn(True)(q, k, v, lo)  # no mesh: one call
+  mesh = shd.make_mesh({"data": 2, "fsdp": 1, "tensor": 1}, jax.devices()[:2])
+  rows = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
+  args = [rows(x) for x in (q, k, v, lo)]
+  with jax.set_mesh(mesh):
+    (os_, gs), hlo = fn(True)(*args), fn(True).lower(*args).compile().as_text()
+    control = fn(False).lower(*args).compile().as_text()
+  for name, a, b in zip(("out", "dq", "dk", "dv"), (os_, *gs), (o1, *g1)):
+    assert_rel_close(a, b, what=name)
+  collectives = re.findall(r" (all-reduce|all-gather|all-to-all|collective-permute)\(", hlo)
+  assert not collectives, collectives
+  assert " all-reduce(" in control, "the control shows no all-reduce: the check proves nothing"

@@ -1,4 +1,6 @@
-"""Run the Pallas LCA kernel once per device under the active mesh.
+"""Run an attention call once per device under the active mesh: the Pallas LCA kernel, and
+the blockwise XLA attention of ``lca_jax.model.attention`` (whose tile schedule would
+otherwise be reduced over the whole batch, an all-reduce between devices).
 
 ``pallas_call`` has no SPMD sharding rule: under a multi-device mesh XLA would gather q, k, v
 onto every device and run the whole problem there. ``shard_over_mesh`` instead wraps the
@@ -105,7 +107,16 @@ def shard_over_mesh(
     args = tuple(jax.sharding.reshard(x, spec) for x, spec in zip(args, in_specs))
   # check_vma=False: pallas_call's outputs carry no varying-axes type; the legacy semantics
   # (axes a spec leaves out are replicated, their cotangents summed) keep gradients exact.
-  out = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=qkv, check_vma=False)(*args)
+  # Only the axes that split something are manual: a left-out axis of size 1 would otherwise
+  # cost an all-reduce (singleton groups, but XLA:CPU still runs it) of dq, dk, dv per call.
+  out = jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=in_specs,
+    out_specs=qkv,
+    axis_names=frozenset(b_axes + h_axes),
+    check_vma=False,
+  )(*args)
   if mesh.explicit_axes:  # hand the output back laid out like q
     out = jax.sharding.reshard(out, q_spec)
   return out

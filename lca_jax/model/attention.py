@@ -8,7 +8,8 @@ of the group before ``i``'s, see docs/design.md §3.2). A query with no key (pad
 
 ``blockwise_attention`` never builds a [T, T] array: queries are cut into blocks of
 ``block_q`` rows; block ``n`` visits only the key tiles of ``block_k`` keys that cover
-``[min lo, max i]`` of its non-empty rows (taken over the batch, so one loop serves every row),
+``[min lo, max i]`` of its non-empty rows (taken over the batch, so one loop serves every row;
+under a multi-device mesh over each device's own rows),
 starting at that minimum (tiles need not be aligned to ``block_k``), with an online softmax in
 float32. The number of tiles is computed inside the jitted step from ``lo`` (a
 ``lax.fori_loop`` with a traced trip count), so masked-out work (the upper triangle, earlier
@@ -30,6 +31,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from lca_jax.kernels.sharded import shard_over_mesh
 
 NEG_INF = -1e30
 
@@ -300,6 +303,7 @@ def blockwise_attention(
   block_k: int = 64,
   scale: float | None = None,
   parallel: int = 1,
+  shard: bool = True,
 ):
   """Self-attention where query i sees keys [lo_i, i]; rows with no key give zeros.
 
@@ -311,7 +315,19 @@ def blockwise_attention(
   (or batch rows): a tile's operations depend on each other, so one loop nest keeps one core
   of XLA:CPU busy, while independent nests run side by side (the model passes the host's core
   count on CPU, 1 on accelerators). The result is the same: heads and rows never interact.
+
+  ``shard``: under a multi-device mesh (``jax.set_mesh``) the call runs per device in a
+  ``jax.shard_map`` (``lca_jax.kernels.sharded.shard_over_mesh``: rows over 'data' / 'fsdp',
+  heads over 'tensor' where they divide), so each device schedules the tiles of its own rows
+  and the program has no collective. Left to XLA's partitioner (``False``), the schedule's
+  minimum over the batch is an all-reduce in the forward, which makes every device wait for
+  the others and visit the union of all rows' tiles.
   """
+  if shard:  # per device under a multi-device mesh: each schedules its own rows' tiles
+    call = lambda q, k, v, lo, _: blockwise_attention(
+      q, k, v, lo, block_q=block_q, block_k=block_k, scale=scale, parallel=parallel, shard=False
+    )
+    return shard_over_mesh(call, q_BTHE, k_BTKE, v_BTKE, lo_BT, None)
   b, t, h, _ = q_BTHE.shape
   kv = k_BTKE.shape[2]
   block_q = max(1, min(block_q, t))
