@@ -5,6 +5,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest -q
 
 import os
 
+import pytest
 from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,3 +62,32 @@ def test_bench_train_tiny(capsys):
   assert out["timed_steps"] == 1 and out["warmup_steps"] == 1
   assert out["step_time_s"] > 0 and out["bytes_per_s"] > 0 and out["params"] > 0
   assert '"bytes_per_s"' in capsys.readouterr().out
+
+
+def test_bench_train_profile(capsys):
+  """--profile: the traced steps' ops found in the profiler's events, by kind, model part and
+  stage; every stage and the main parts are there."""
+  out = _tool().main(
+    ["--config", os.path.join(ROOT, "configs", "tiny_lca_mbp.py"), "--steps", "2", "--warmup", "1"]
+    + ["--profile", "2"]
+    + TINY
+  )
+  prof = out["step_profile"]
+  assert prof["steps"] == 2 and prof["wall_s_per_step"] > 0
+  total = prof["thread_s_per_step"]
+  assert total > 0
+  for key in ("by_kind", "by_part", "by_stage"):  # each splits the same total
+    assert abs(sum(prof[key].values()) - total) <= 1e-3 * total + 4e-4, (key, prof[key])
+  for part in ("mlp", "attention_proj", "attention_loops", "norm"):
+    assert prof["by_part"].get(part, 0) > 0, prof["by_part"]
+  for stage in ("encoder", "latent_lm", "decoder", "mbp_head"):
+    assert prof["by_stage"].get(stage, 0) > 0, prof["by_stage"]
+  assert prof["loop_s_per_step"] > 0  # the blockwise attention's tile loops
+  capsys.readouterr()
+
+
+def test_bench_train_profile_bad_count(capsys):
+  with pytest.raises(SystemExit) as e:
+    _tool().main(["--steps", "2", "--profile", "3"])
+  assert e.value.code == 2
+  assert "--profile must be in [0, --steps]" in capsys.readouterr().err

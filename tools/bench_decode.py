@@ -44,12 +44,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import math
 import os
 import sys
-import tempfile
 import time
 
 import jax
@@ -61,7 +59,7 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 import lca_jax  # noqa: E402  pylint: disable=g-import-not-at-top
-from lca_jax import configs_io, vocab  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax import configs_io, vocab, xla_profile  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.api import Model  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.decode import bounds, engine, hlo_stats  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.model.config import ConfigError, ModelConfig  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -272,20 +270,10 @@ def step_profile(model, prompts, kw, text) -> dict:
   if jax.default_backend() != "cpu":
     return None
   kinds = hlo_stats.step_op_kinds(text)
-  with tempfile.TemporaryDirectory() as d:
-    jax.profiler.start_trace(d)
-    try:
-      res = model.generate(prompts, **kw)
-    finally:
-      jax.profiler.stop_trace()
-    traces = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
-    data = jax.profiler.ProfileData.from_file(traces[-1])
+  res, by_name = xla_profile.trace_thread_ns(lambda: model.generate(prompts, **kw), kinds)
   ns = collections.Counter()
-  for plane in data.planes:
-    for line in plane.lines:
-      for ev in line.events:
-        if ev.name in kinds:
-          ns[kinds[ev.name]] += ev.duration_ns
+  for name, t in by_name.items():
+    ns[kinds[name]] += t
   steps = max(res.steps, 1)
   per_step = {k: round(v / steps / 1e6, 4) for k, v in ns.most_common()}
   return dict(

@@ -17,7 +17,11 @@ stage x tokens through it + the attention the masks need, on a regular layout of
 ``--group-len`` bytes, default 1 / bp_prior), their ratio, the tiles each attention stack runs,
 the compiled step's temp memory (``memory_analysis``, per device), its largest buffer and every buffer with
 two dimensions >= T (there should be none). ``--lower-only`` stops there (no data, no
-parameters allocated: paper-scale configs on a small machine).
+parameters allocated: paper-scale configs on a small machine). ``--profile N`` also traces N
+steps with the XLA profiler (XLA:CPU) and reports ``step_profile``: thread seconds per step
+by op kind (weight products are ``fusion_custom`` there), model part (attention loops and
+projections, MLP, norms, heads, optimizer...) and stage (``lca_jax/xla_profile.py``); the traced
+steps' own ``wall_s_per_step`` shows what tracing added.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ if ROOT not in sys.path:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from lca_jax import configs_io, hostmem  # noqa: E402
+from lca_jax import configs_io, hostmem, xla_profile  # noqa: E402
 from lca_jax.train import costs, inputs, loop, metrics, timing  # noqa: E402
 from lca_jax.train import sharding as shd  # noqa: E402
 
@@ -93,7 +97,34 @@ def _progress(msg: str):
   print(f"bench_train: {msg}", file=sys.stderr, flush=True)
 
 
-def run_steps(config, setup, steps: int, warmup: int) -> dict:
+def profile_steps(setup, hlo_text: str, host, steps: int):
+  """Where ``steps`` more steps' time goes, from the XLA profiler (``lca_jax/xla_profile.py``:
+  thread seconds per step by op kind, model part and stage); None off XLA:CPU, whose
+  events are the only ones named after the step's HLO instructions."""
+  if jax.default_backend() != "cpu":
+    return None
+  table = xla_profile.train_op_table(hlo_text)
+  batches = [setup.device_batch(b) for b in host[:steps]]
+  # the step donates its state: each call takes the state the previous one returned
+  state = [setup.init_state()]
+
+  def run():
+    t0 = time.perf_counter()
+    for b in batches:
+      state[0], _ = setup.train_step(state[0], b)
+    jax.block_until_ready(state[0])
+    return time.perf_counter() - t0
+
+  with shd.mesh_context(setup.mesh):
+    state[0], _ = setup.train_step(state[0], batches[0])  # untimed, outside the trace
+    jax.block_until_ready(state[0])
+    wall, ns = xla_profile.trace_thread_ns(run, table)
+  out = xla_profile.summarize(ns, table, len(batches))
+  out["wall_s_per_step"] = round(wall / len(batches), 4)
+  return out
+
+
+def run_steps(config, setup, steps: int, warmup: int, profile: int = 0, hlo_text: str = "") -> dict:
   plan = setup.plan
   pipe = inputs.make_train_pipeline(config, plan)
   host = [next(pipe) for _ in range(warmup + steps)]
@@ -107,7 +138,12 @@ def run_steps(config, setup, steps: int, warmup: int) -> dict:
     setup.model_cfg, setup.abstract.params, plan.rows, plan.seq_len, bpl
   )
   peak = metrics.peak_flops_per_device(override_tflops=float(config.train.peak_tflops))
+  prof = {}
+  if profile:
+    prof["step_profile"] = profile_steps(setup, hlo_text, host[warmup:], profile)
+    _progress("profiled the step")
   return dict(
+    **prof,
     warmup_steps=warmup,
     timed_steps=steps,
     init_s=round(init_s, 3),
@@ -138,7 +174,17 @@ def parse_args(argv=None):
     default=None,
     help="bytes per group of the layout the useful FLOPs assume (1/bp_prior)",
   )
+  ap.add_argument(
+    "--profile",
+    type=int,
+    default=0,
+    metavar="N",
+    help="also trace N of the timed steps' batches with the XLA profiler (XLA:CPU): thread "
+    "time per step by op kind, model part and stage (<= --steps)",
+  )
   args, rest = ap.parse_known_args(argv)
+  if not 0 <= args.profile <= args.steps:
+    ap.error(f"--profile must be in [0, --steps], got {args.profile}")
   config = configs_io.apply_overrides(
     configs_io.load_config(args.config), configs_io.split_overrides(rest)
   )
@@ -173,7 +219,14 @@ def main(argv=None):
   _progress(f"compiled the step in {out['cost']['compile_s']} s")
   if not args.lower_only:
     out.update(
-      run_steps(config, dataclasses.replace(setup, train_step=compiled), args.steps, args.warmup)
+      run_steps(
+        config,
+        dataclasses.replace(setup, train_step=compiled),
+        args.steps,
+        args.warmup,
+        args.profile,
+        compiled.as_text() if args.profile else "",
+      )
     )
   print(json.dumps(out, indent=1))
   return out

@@ -1,0 +1,147 @@
+"""Where a compiled program's time goes on XLA:CPU, from the XLA profiler's per-op events.
+
+XLA:CPU names each op's profiler event after the HLO instruction it runs, so the events of a
+traced call can be matched to the instructions of the executable's optimized HLO
+(``compiled.as_text()``) and summed by what those instructions are. Times are thread time:
+ops run side by side on the executor's threads, so a sum may exceed the wall time it took.
+Other backends name their events after kernels; there the functions here find nothing.
+
+* ``trace_thread_ns(run, names)``: run ``run()`` under ``jax.profiler`` and sum the events
+  whose name is in ``names`` (nanoseconds per name);
+* ``train_op_table(hlo_text)``: every instruction of a train step -> (kind, part, stage),
+  read from its opcode and the source name XLA keeps in its metadata;
+* ``summarize(ns, table, steps)``: thread seconds per step in all and by each of those.
+
+The forward / backward split is not given: the source names do not tell it (autodiff names
+the products of a weight's gradient after the forward op they come from, so "backward" by
+name came out smaller than "forward" on a step whose backward does twice the work).
+
+``tools/bench_train.py --profile`` and ``tools/bench_decode.py --profile`` report them.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import tempfile
+from typing import Any, Callable, Collection, Dict, NamedTuple
+
+import jax
+
+from lca_jax.decode import hlo_stats
+
+# control flow: its events span the ops it runs, which have events of their own
+CONTROL_OPS = frozenset({"while", "conditional", "call"})
+COLLECTIVES = frozenset(
+  {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"}
+)
+_KIND = re.compile(r"kind=(k\w+)")
+_SOURCE = re.compile(r'op_name="([^"]*)"')
+_PROJ = re.compile(r"/(q|k|v|kv|qkv|out)_proj\b")
+# the model's stacks, by the module path in the source name (lca_jax.model.hierarchical)
+STAGES = (
+  ("encoder", "/encoder/"),
+  ("latent_lm", "/lm/"),
+  ("decoder", "/decoder/"),
+  ("mbp_head", "/mbp/"),
+)
+
+
+class Op(NamedTuple):
+  kind: str  # dot | fusion_<xla kind> | collective | copy | loop | <opcode>
+  part: str  # attention_loops | attention_proj | mlp | norm | heads | embedding | boundaries
+  # | optimizer | other
+  stage: str  # encoder | latent_lm | decoder | mbp_head | other
+
+
+def trace_thread_ns(run: Callable[[], Any], names: Collection[str]):
+  """(``run()``'s result, Counter: event name -> summed duration in ns) for the events of
+  ``names`` recorded while ``run()`` ran under the XLA profiler."""
+  ns = collections.Counter()
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d)
+    try:
+      result = run()
+    finally:
+      jax.profiler.stop_trace()
+    traces = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
+    data = jax.profiler.ProfileData.from_file(traces[-1])
+  for plane in data.planes:
+    for line in plane.lines:
+      for ev in line.events:
+        if ev.name in names:
+          ns[ev.name] += ev.duration_ns
+  return result, ns
+
+
+def _kind(instr: str, op: str) -> str:
+  if op == "fusion":
+    m = _KIND.search(instr)
+    return "fusion_" + (m.group(1)[1:].lower() if m else "other")
+  if re.sub(r"-(start|done)$", "", op) in COLLECTIVES:
+    return "collective"
+  if op in CONTROL_OPS:
+    return "loop" if op == "while" else op
+  return op
+
+
+def _part(source: str) -> str:
+  if _PROJ.search(source):
+    return "attention_proj"
+  if "/attn" in source:
+    return "attention_loops"
+  for part, keys in (
+    ("mlp", ("/mlp",)),
+    ("norm", ("norm",)),
+    ("heads", ("/head", "logits")),
+    ("embedding", ("embedding",)),
+    ("boundaries", ("boundary",)),
+    ("optimizer", ("optax", "adam", "clip", "apply_updates", "scale_by")),
+  ):
+    if any(k in source for k in keys):
+      return part
+  return "other"
+
+
+def train_op_table(hlo_text: str) -> Dict[str, Op]:
+  """Instruction name (without %) -> ``Op`` for every instruction of every computation of a
+  train step's optimized HLO, free ops (parameters, tuples, constants, bitcasts) left out."""
+  table = {}
+  for instrs in hlo_stats.computations(hlo_text).values():
+    for instr in instrs:
+      op = hlo_stats.op_name(instr)
+      if not op or op in hlo_stats.FREE_OPS:
+        continue
+      name = instr.split(" = ", 1)[0].replace("ROOT ", "").strip().lstrip("%")
+      m = _SOURCE.search(instr)
+      source = m.group(1) if m else ""
+      stage = next((s for s, key in STAGES if key in source), "other")
+      table[name] = Op(_kind(instr, op), _part(source), stage)
+  return table
+
+
+def summarize(ns: Dict[str, int], table: Dict[str, Op], steps: int) -> dict:
+  """Thread seconds per step of the ops in ``table``: in all and by kind, part and stage.
+  Loops are left out of every sum (their events span their body's ops, counted themselves)
+  and given apart, as ``loop_s_per_step``: that minus their body's ops is loop control."""
+  steps = max(int(steps), 1)
+  per = lambda c: {k: round(v / steps / 1e9, 4) for k, v in c.most_common()}
+  by = {f: collections.Counter() for f in Op._fields}
+  loops = 0
+  for name, t in ns.items():
+    op = table[name]
+    if op.kind in ("loop", "conditional", "call"):
+      loops += t if op.kind == "loop" else 0
+      continue
+    for f in Op._fields:
+      by[f][getattr(op, f)] += t
+  return dict(
+    steps=steps,
+    thread_s_per_step=round(sum(by["kind"].values()) / steps / 1e9, 4),
+    loop_s_per_step=round(loops / steps / 1e9, 4),
+    by_kind=per(by["kind"]),
+    by_part=per(by["part"]),
+    by_stage=per(by["stage"]),
+  )
