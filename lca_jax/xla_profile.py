@@ -12,9 +12,10 @@ Other backends name their events after kernels; there the functions here find no
   read from its opcode and the source name XLA keeps in its metadata;
 * ``summarize(ns, table, steps)``: thread seconds per step in all and by each of those.
 
-The forward / backward split is not given: the source names do not tell it (autodiff names
-the products of a weight's gradient after the forward op they come from, so "backward" by
-name came out smaller than "forward" on a step whose backward does twice the work).
+The forward / backward split is not given, because the source names do not tell it reliably:
+split by name ("transpose(" marks the backward), the 4 x 1024 step of docs/design.md §5.3 came
+out 1.28-1.38 s "backward" against 1.60-2.01 s "forward", though its backward does about twice
+the forward's work.
 
 ``tools/bench_train.py --profile`` and ``tools/bench_decode.py --profile`` report them.
 """
