@@ -39,8 +39,6 @@ import jax
 
 from lca_jax.decode import hlo_stats
 
-# control flow: its events span the ops it runs, which have events of their own
-CONTROL_OPS = frozenset({"while", "conditional", "call"})
 COLLECTIVES = frozenset(
   {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"}
 )
@@ -89,7 +87,7 @@ def _kind(instr: str, op: str) -> str:
     return "fusion_" + (m.group(1)[1:].lower() if m else "other")
   if re.sub(r"-(start|done)$", "", op) in COLLECTIVES:
     return "collective"
-  if op in CONTROL_OPS:
+  if op in hlo_stats.CONTROL_OPS:
     return "loop" if op == "while" else op
   return op
 
@@ -131,7 +129,7 @@ def train_op_table(hlo_text: str) -> Dict[str, Op]:
       op = hlo_stats.op_name(instr)
       if not op or op in hlo_stats.FREE_OPS:
         continue
-      name = instr.split(" = ", 1)[0].replace("ROOT ", "").strip().lstrip("%")
+      name = hlo_stats.instr_name(instr)
       m = _SOURCE.search(instr)
       if m is None:
         unnamed.append((name, _kind(instr, op), named))
@@ -156,8 +154,9 @@ def summarize(ns: Dict[str, int], table: Dict[str, Op], steps: int) -> dict:
   loops = 0
   for name, t in ns.items():
     op = table[name]
-    if op.kind in ("loop", "conditional", "call"):
-      loops += t if op.kind == "loop" else 0
+    if op.kind == "loop":
+      loops += t
+    if op.kind in ("loop", "conditional", "call"):  # control flow: events span their ops
       continue
     for f in Op._fields:
       by[f][getattr(op, f)] += t

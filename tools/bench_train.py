@@ -97,34 +97,33 @@ def _progress(msg: str):
   print(f"bench_train: {msg}", file=sys.stderr, flush=True)
 
 
-def profile_steps(setup, hlo_text: str, host, steps: int):
+def profile_steps(setup, host, steps: int):
   """Where ``steps`` more steps' time goes, from the XLA profiler (``lca_jax/xla_profile.py``:
   thread seconds per step by op kind, model part and stage); None off XLA:CPU, whose
-  events are the only ones named after the step's HLO instructions."""
+  events are the only ones named after the step's HLO instructions. ``setup.train_step`` is
+  the compiled step (its optimized HLO names the ops)."""
   if jax.default_backend() != "cpu":
     return None
-  table = xla_profile.train_op_table(hlo_text)
+  table = xla_profile.train_op_table(setup.train_step.as_text())
   batches = [setup.device_batch(b) for b in host[:steps]]
-  # the step donates its state: each call takes the state the previous one returned
-  state = [setup.init_state()]
 
-  def run():
+  def run(state):  # the step donates its state: each call takes the one the last returned
     t0 = time.perf_counter()
     for b in batches:
-      state[0], _ = setup.train_step(state[0], b)
-    jax.block_until_ready(state[0])
+      state, _ = setup.train_step(state, b)
+    jax.block_until_ready(state)
     return time.perf_counter() - t0
 
   with shd.mesh_context(setup.mesh):
-    state[0], _ = setup.train_step(state[0], batches[0])  # untimed, outside the trace
-    jax.block_until_ready(state[0])
-    wall, ns = xla_profile.trace_thread_ns(run, table)
+    state, _ = setup.train_step(setup.init_state(), batches[0])  # untimed, outside the trace
+    jax.block_until_ready(state)
+    wall, ns = xla_profile.trace_thread_ns(lambda: run(state), table)
   out = xla_profile.summarize(ns, table, len(batches))
   out["wall_s_per_step"] = round(wall / len(batches), 4)
   return out
 
 
-def run_steps(config, setup, steps: int, warmup: int, profile: int = 0, hlo_text: str = "") -> dict:
+def run_steps(config, setup, steps: int, warmup: int, profile: int = 0) -> dict:
   plan = setup.plan
   pipe = inputs.make_train_pipeline(config, plan)
   host = [next(pipe) for _ in range(warmup + steps)]
@@ -140,7 +139,7 @@ def run_steps(config, setup, steps: int, warmup: int, profile: int = 0, hlo_text
   peak = metrics.peak_flops_per_device(override_tflops=float(config.train.peak_tflops))
   prof = {}
   if profile:
-    prof["step_profile"] = profile_steps(setup, hlo_text, host[warmup:], profile)
+    prof["step_profile"] = profile_steps(setup, host[warmup:], profile)
     _progress("profiled the step")
   return dict(
     **prof,
@@ -225,7 +224,6 @@ def main(argv=None):
         args.steps,
         args.warmup,
         args.profile,
-        compiled.as_text() if args.profile else "",
       )
     )
   print(json.dumps(out, indent=1))

@@ -41,6 +41,11 @@ def computations(hlo_text: str) -> Dict[str, List[str]]:
   return comps
 
 
+def instr_name(instr: str) -> str:
+  """An instruction's own name, without ``%`` (what XLA:CPU's profiler events are named)."""
+  return instr.split(" = ", 1)[0].replace("ROOT ", "").strip().lstrip("%")
+
+
 def op_name(instr: str) -> str:
   m = _OP.search(instr.split(" = ", 1)[-1])
   return m.group(1) if m else ""
@@ -168,7 +173,7 @@ def step_stats(hlo_text: str, min_copy_bytes: int = 0) -> dict:
 
 
 # control flow: its run time is that of the ops it runs, which are counted themselves
-_CONTROL_OPS = frozenset({"while", "conditional", "call"})
+CONTROL_OPS = frozenset({"while", "conditional", "call"})
 
 
 def step_op_kinds(hlo_text: str) -> Dict[str, str]:
@@ -179,9 +184,9 @@ def step_op_kinds(hlo_text: str) -> Dict[str, str]:
   kinds = {}
   for instr in _step_instructions(hlo_text):
     op = op_name(instr)
-    if not op or op in FREE_OPS or op in _CONTROL_OPS:
+    if not op or op in FREE_OPS or op in CONTROL_OPS:
       continue
-    name = instr.split(" = ", 1)[0].replace("ROOT ", "").strip().lstrip("%")
+    name = instr_name(instr)
     if op == "dot":
       op = "cache_dot" if "lhs_batch_dims=" in instr else "dot"
     kinds[name] = op
