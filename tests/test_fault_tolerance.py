@@ -520,3 +520,40 @@ def test_watchdog_ends_a_stuck_process():
   assert res.returncode == 3, res.stderr
   assert "no progress for" in res.stderr and "last: step 7" in res.stderr
   assert time.time() - t0 < 20
+
+
+_EXIT_CHILD = """
+import sys, time
+import jax
+from lca_jax.train import distributed
+pid, port, delay = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+distributed.initialize(distributed.DistConfig(
+  coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=pid, local_device_ids=None,
+  heartbeat_timeout=10, init_timeout=60))
+print(f"lca-train: error: process {pid} failed", file=sys.stderr, flush=True)
+time.sleep(delay)
+distributed.exit_now(2)
+"""
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["together", "one_late"])
+def test_exit_now_waits_for_a_peer_still_cleaning_up(tmp_path, late):
+  """Both processes of a run fail; process 1 reaches ``exit_now`` 15 s after process 0 (a
+  failed checkpoint save waits up to 10 s for orbax's threads, more on a loaded machine).
+  Both exit 2: process 0 must not close the coordination service under process 1 (which jax
+  then aborts, status 134: this failed CI with the earlier 10 s grace)."""
+  port = mh.free_port()
+  env = mh.child_env(1)
+  delays = (0, 15 if late else 0)
+  procs = [
+    mh.Proc(
+      [sys.executable, "-c", _EXIT_CHILD, str(i), str(port), str(delays[i])],
+      env,
+      tmp_path / f"p{i}.log",
+    )
+    for i in (0, 1)
+  ]
+  for p in procs:
+    rc = p.wait(timeout=120)
+    assert rc == 2, p.output()[-3000:]
+    assert "Traceback" not in p.output(), p.output()[-3000:]

@@ -37,9 +37,10 @@ def _fail(msg: str, code: int = 2) -> int:
 
 def _fail_multi(exit_now, msg: str, code: int = 2) -> int:
   """``_fail``; in a multi-process run (``exit_now``: ``distributed.exit_now``, None in a
-  single-process one) the process then leaves at once if the others do not shut down with it
-  within a few seconds (an error seen by only some processes would otherwise hold them in jax's
-  shutdown barrier while the rest wait in a collective)."""
+  single-process one) the process then leaves, with the others if they shut down with it
+  within ``distributed.EXIT_GRACE_S`` seconds, else alone (an error seen by only some
+  processes would otherwise hold them in jax's shutdown barrier while the rest wait in a
+  collective)."""
   if msg:
     _fail(msg, code)
   if exit_now is not None:

@@ -47,6 +47,15 @@ from lca_jax.errors import LcaError
 DEFAULT_HEARTBEAT_TIMEOUT = 60  # seconds; jax's own default is 100
 DEFAULT_INIT_TIMEOUT = 300  # seconds to wait for all processes to connect
 EXIT_HUNG = 3  # exit status of a process ended by the watchdog
+# How long a failing process waits for the others in jax.distributed's shutdown before it
+# leaves without them. A grace shorter than a peer's own cleanup of the same failure ends
+# that peer mid-cleanup: the coordination service (process 0) closing, or a
+# process missing from the shutdown barrier, makes jax abort the others (status 134) before
+# they print their line. A failed checkpoint save alone waits up to 10 s for orbax's writer
+# threads (checkpoint._SETTLE_S), longer on a loaded machine; a 10 s grace lost that race
+# in CI. Processes that fail together leave together at once; the grace only delays an
+# error that one process saw alone, while the others wait for it in a collective.
+EXIT_GRACE_S = 60.0
 
 
 class DistributedError(LcaError, RuntimeError):
@@ -306,8 +315,9 @@ def initialize(cfg: DistConfig) -> None:
   kw = dict(
     initialization_timeout=int(cfg.init_timeout),
     heartbeat_timeout_seconds=int(cfg.heartbeat_timeout),
-    # the barrier every process passes at exit: bounded like a dead peer
-    shutdown_timeout_seconds=max(30, int(cfg.heartbeat_timeout)),
+    # the barrier every process passes at exit: bounded like a dead peer, and no shorter
+    # than exit_now's wait for the peers of a failed run
+    shutdown_timeout_seconds=max(int(EXIT_GRACE_S), int(cfg.heartbeat_timeout)),
   )
   if cfg.local_device_ids is not None:
     kw["local_device_ids"] = list(cfg.local_device_ids)
@@ -392,14 +402,23 @@ class Watchdog:
     os._exit(EXIT_HUNG)  # pylint: disable=protected-access
 
 
-def exit_now(code: int, grace: float = 10.0) -> None:
+def _shutdown_quietly() -> None:
+  """jax.distributed.shutdown; its failure (a peer gone from the barrier) is not news to a
+  process that is leaving with its own error line printed."""
+  try:
+    jax.distributed.shutdown()
+  except Exception:  # noqa: BLE001 - the process exits next either way
+    pass
+
+
+def exit_now(code: int, grace: float = EXIT_GRACE_S) -> None:
   """Leave a multi-process run with status ``code``: shut jax.distributed down together with
   the other processes if they do so within ``grace`` seconds (they failed the same way), else
   exit without it (the others then see this process as dead within their heartbeat timeout
   instead of waiting for it in a collective)."""
   sys.stdout.flush()
   sys.stderr.flush()
-  t = threading.Thread(target=jax.distributed.shutdown, name="lca-shutdown", daemon=True)
+  t = threading.Thread(target=_shutdown_quietly, name="lca-shutdown", daemon=True)
   t.start()
   t.join(grace)
   sys.stdout.flush()
