@@ -524,7 +524,6 @@ def test_watchdog_ends_a_stuck_process():
 
 _EXIT_CHILD = """
 import sys, time
-import jax
 from lca_jax.train import distributed
 pid, port, delay = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 distributed.initialize(distributed.DistConfig(

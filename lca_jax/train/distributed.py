@@ -49,12 +49,12 @@ DEFAULT_INIT_TIMEOUT = 300  # seconds to wait for all processes to connect
 EXIT_HUNG = 3  # exit status of a process ended by the watchdog
 # How long a failing process waits for the others in jax.distributed's shutdown before it
 # leaves without them. A grace shorter than a peer's own cleanup of the same failure ends
-# that peer mid-cleanup: the coordination service (process 0) closing, or a
-# process missing from the shutdown barrier, makes jax abort the others (status 134) before
-# they print their line. A failed checkpoint save alone waits up to 10 s for orbax's writer
-# threads (checkpoint._SETTLE_S), longer on a loaded machine; a 10 s grace lost that race
-# in CI. Processes that fail together leave together at once; the grace only delays an
-# error that one process saw alone, while the others wait for it in a collective.
+# that peer mid-cleanup: the coordination service (process 0) closing, or a process missing
+# from the shutdown barrier, makes jax abort the others (status 134) before they print their
+# line. A failed checkpoint save alone waits up to 10 s for orbax's writer threads
+# (checkpoint._SETTLE_S), longer on a loaded machine; a 10 s grace lost that race in CI.
+# Processes that fail together leave together at once; the grace only delays an error that
+# one process saw alone, while the others wait for it in a collective.
 EXIT_GRACE_S = 60.0
 
 
