@@ -54,6 +54,10 @@ STAGES = (
 )
 
 
+# the kinds ``_kind`` gives control flow (hlo_stats.CONTROL_OPS), whose events span their ops
+CONTROL_KINDS = frozenset("loop" if op == "while" else op for op in hlo_stats.CONTROL_OPS)
+
+
 class Op(NamedTuple):
   kind: str  # dot | fusion_<xla kind> | collective | copy | loop | <opcode>
   part: str  # attention_loops | attention_proj | mlp | norm | heads | embedding | boundaries
@@ -156,7 +160,7 @@ def summarize(ns: Dict[str, int], table: Dict[str, Op], steps: int) -> dict:
     op = table[name]
     if op.kind == "loop":
       loops += t
-    if op.kind in ("loop", "conditional", "call"):  # control flow: events span their ops
+    if op.kind in CONTROL_KINDS:  # control flow: events span their ops
       continue
     for f in Op._fields:
       by[f][getattr(op, f)] += t
