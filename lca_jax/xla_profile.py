@@ -7,10 +7,12 @@ ops run side by side on the executor's threads, so a sum may exceed the wall tim
 Other backends name their events after kernels; there the functions here find nothing.
 An op's event spans its whole run, including any wait for the thread pool it splits its work
 over: with two CPU devices competing for two cores, a library fusion (YNNPACK) can look slower
-than it computes. On the 1 x 4096 tensor-split step, the RMSNorms' sums of squares
-(YNNPACK reduce fusions) took 0.5 s of events per step, but leaving reductions out of YNNPACK
-(``--xla_cpu_experimental_ynn_fusion_type=dot``) made the step no faster (2.26-2.42 against
-2.19-2.25 s).
+than it computes. Not always: on the 1 x 4096 tensor-split step the RMSNorms' reductions
+(YNNPACK reduce fusions) took 0.56 s of events per step, and that was real: YNNPACK reduces
+an array whose leading axis is 1 10-20x slower than the same data without it, which
+``model/rows.py`` now avoids (0.10 s; leaving reductions out of YNNPACK instead,
+``--xla_cpu_experimental_ynn_fusion_type=dot``, made the attention loops slower and the step
+no faster).
 
 * ``trace_thread_ns(run, names)``: run ``run()`` under ``jax.profiler`` and sum the events
   whose name is in ``names`` (nanoseconds per name);

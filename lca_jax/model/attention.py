@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lca_jax.kernels.sharded import shard_over_mesh
+from lca_jax.model import rows
 
 NEG_INF = -1e30
 
@@ -220,7 +221,8 @@ def _backward(blocks: _Blocks, out_BTHE, lse, do_BTHE, block_q, block_k, scale):
   dtype = blocks.q_NBKGQE.dtype
   do_NBKGQE = _to_blocks(do_BTHE.astype(dtype), kv, block_q)
   to_t = lambda x: x.transpose(0, 1, 4, 2, 3)  # [B,K,G,Q,E] -> [B,K,E,G,Q]
-  delta = jnp.sum(out_BTHE.astype(jnp.float32) * do_BTHE.astype(jnp.float32), axis=-1)
+  od_NHE = rows.merged(out_BTHE.astype(jnp.float32) * do_BTHE.astype(jnp.float32), 2)
+  delta = jnp.sum(od_NHE, axis=-1).reshape(out_BTHE.shape[:-1])  # model/rows.py
   delta_NBKGQ = _to_blocks(delta[..., None], kv, block_q)[..., 0]
 
   def per_block(carry, n):

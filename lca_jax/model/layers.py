@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lca_jax.model import rows
 from lca_jax.model.activations import swiglu
 
 NEG_INF = -1e30
@@ -149,9 +150,9 @@ class RMSNorm(nn.Module):
     scale = self.param(
       "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],)
     )
-    xf = x.astype(jnp.float32)
+    xf = rows.merged(x.astype(jnp.float32))  # [N, D]: see model/rows.py
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return (y * scale).astype(x.dtype)
+    return (y * scale).astype(x.dtype).reshape(x.shape)
 
 
 def rope_tables(length: int, head_dim: int, base: float):

@@ -20,6 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lca_jax.model import rows
+
 
 class LatentPlan(NamedTuple):
   group_BT: jax.Array  # int32 group id g_t = cumsum(b) - b (row-global)
@@ -99,10 +101,11 @@ def downsample(h_BTD, b_BT, plan: LatentPlan, null_D):
   def per_row(hw, ww, ii):
     num = jax.ops.segment_sum(hw, ii, num_segments=n_slots + 1)[:n_slots]
     den = jax.ops.segment_sum(ww, ii, num_segments=n_slots + 1)[:n_slots]
-    return group_mean(num, den, num.dtype)
+    return num, den
 
-  hw = h_BTD.astype(jnp.float32) * w[..., None]
-  s = jax.vmap(per_row)(hw, w, idx)
+  hw = (rows.merged(h_BTD.astype(jnp.float32)) * w.reshape(-1, 1)).reshape(h_BTD.shape)
+  num_BSD, den_BS = jax.vmap(per_row)(hw, w, idx)
+  s = group_mean(num_BSD, den_BS, jnp.float32)  # outside the vmap: its rows view is [B S, D]
   s = jnp.where(plan.null_BS[..., None], null_D.astype(jnp.float32), s)
   return s.astype(h_BTD.dtype)
 
@@ -132,4 +135,5 @@ def open_group_sums(prev_close_BK, x_BKD, w_BK, carry_BD, carry_cnt_B):
 
 def group_mean(sum_BKD, cnt_BK, dtype):
   """The pooled value of a group from its sum and count (``downsample``'s formula)."""
-  return (sum_BKD / (cnt_BK[..., None] + 1e-9)).astype(dtype)
+  mean = rows.merged(sum_BKD) / (cnt_BK.reshape(-1, 1) + 1e-9)  # model/rows.py
+  return mean.reshape(sum_BKD.shape).astype(dtype)

@@ -1,0 +1,113 @@
+"""model/rows.py: the per-row products and reductions of a batch of one row run over merged rows.
+
+XLA:CPU's YNNPACK fusions reduce a product over the last axis of [1, T, D] 10-20x slower than
+over [T, D] (model/rows.py). The RMSNorm, the pooling weights and the attention backward
+compute those products on a rows view; these tests check that the view changes no value or
+gradient, and that the backward of the whole model at batch 1 is left with no reduction whose
+result is [1, T, ...] (the form the slow path takes; the test fails on the code before the
+rows views: the RMSNorm's input gradient, the pooling weights' gradient and the attention
+backward's row sums).
+"""
+
+import functools
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import REL_REORDER, assert_close_rel, random_ids, random_params, tiny_config
+
+from lca_jax.decode import hlo_stats
+from lca_jax.model import rows
+from lca_jax.model.hierarchical import ByteLM
+from lca_jax.model.layers import RMSNorm
+from lca_jax.model.loss import compute_loss
+
+T = 48
+
+
+def test_merged_keeps_the_last_axes():
+  x = jnp.arange(2 * 3 * 4 * 5).reshape(2, 3, 4, 5)
+  assert rows.merged(x).shape == (24, 5)
+  assert rows.merged(x, 2).shape == (6, 4, 5)
+  np.testing.assert_array_equal(rows.merged(x, 2)[4], x[1, 1])
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_rmsnorm_values_and_gradients_are_the_plain_formula(batch):
+  rng = np.random.default_rng(batch)
+  x = jnp.asarray(rng.standard_normal((batch, T, 16)), jnp.float32)
+  scale = jnp.asarray(1 + 0.1 * rng.standard_normal(16), jnp.float32)
+  g = jnp.asarray(rng.standard_normal((batch, T, 16)), jnp.float32)
+
+  def ours(x, scale):
+    return RMSNorm(1e-6).apply({"params": {"scale": scale}}, x)
+
+  def plain(x, scale):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+  y, vjp = jax.vjp(ours, x, scale)
+  y_ref, vjp_ref = jax.vjp(plain, x, scale)
+  assert y.shape == x.shape
+  assert_close_rel(y, y_ref, REL_REORDER)
+  for got, ref in zip(vjp(g), vjp_ref(g)):
+    assert_close_rel(got, ref, REL_REORDER)
+
+
+@functools.lru_cache(maxsize=None)
+def _grad_hlo(variant):
+  cfg = tiny_config(variant, max_seq_len=T)
+  model = ByteLM(cfg)
+  batch = {
+    "ids": jnp.asarray(random_ids(np.random.default_rng(0), (1, T))),
+    "segment_ids": jnp.ones((1, T), jnp.int32),
+    "positions": jnp.arange(T, dtype=jnp.int32)[None],
+  }
+
+  def loss_fn(params):
+    out = model.apply(
+      {"params": params},
+      batch["ids"],
+      batch["segment_ids"],
+      batch["positions"],
+      train=True,
+      rngs={"gumbel": jax.random.PRNGKey(1), "dropout": jax.random.PRNGKey(2)},
+    )
+    return compute_loss(cfg, out, batch, jnp.asarray((1.0, 1.0, 10.0), jnp.float32))[0]
+
+  params = random_params(cfg, seed=1)
+  return jax.jit(jax.grad(loss_fn)).lower(params).compile().as_text()
+
+
+def _row_reductions(hlo_text, t):
+  """The backward pass's reductions whose result is [1, t, ...]: one row's per-position sums
+  over its last axis, as autodiff writes them for a [1, T, D] product."""
+  found = []
+  for instrs in hlo_stats.computations(hlo_text).values():
+    for ins in instrs:
+      if hlo_stats.op_name(ins) != "reduce" or "transpose(" not in ins:
+        continue
+      m = re.search(r"=\s*[a-z]+\d*\[([\d,]*)\]", ins)
+      dims = [int(d) for d in m.group(1).split(",") if d] if m else []
+      if len(dims) >= 2 and dims[0] == 1 and dims[1] == t:
+        found.append(ins[:200])
+  return found
+
+
+@pytest.mark.parametrize("variant", ["lca_mbp", "llamabyte"])
+def test_a_one_row_backward_reduces_over_merged_rows(variant):
+  if jax.default_backend() != "cpu":
+    pytest.skip("the YNNPACK slow path is XLA:CPU's")
+  assert not _row_reductions(_grad_hlo(variant), T)
+
+
+def test_the_row_reduction_check_sees_a_one_row_product():
+  x = jnp.ones((1, T, 16))
+
+  def f(x, y):
+    return jnp.sum(nn.tanh(x) * y[..., None])
+
+  text = jax.jit(jax.grad(f, argnums=1)).lower(x, jnp.ones((1, T))).compile().as_text()
+  assert _row_reductions(text, T)
