@@ -170,6 +170,19 @@ def tiny_config(variant: str, **overrides) -> ModelConfig:
   return ModelConfig(**kw)
 
 
+def train_forward(model, params, batch, key):
+  """``model``'s training forward (Gumbel boundaries, dropout, both drawn from ``key``) on
+  ``batch``: a dict of ids, segment_ids and positions [B, T]."""
+  return model.apply(
+    {"params": params},
+    batch["ids"],
+    batch["segment_ids"],
+    batch["positions"],
+    train=True,
+    rngs={"gumbel": key, "dropout": key},
+  )
+
+
 @functools.lru_cache(maxsize=None)
 def random_params(cfg: ModelConfig, seed: int = 0, bp_gain: float = 3.0):
   """Unboxed float32 params of ``ByteLM(cfg)`` with O(1) activations everywhere.

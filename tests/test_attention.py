@@ -16,7 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import VARIANTS, random_ids, random_params, segmented_layout, tiny_config
+from conftest import (
+  VARIANTS,
+  random_ids,
+  random_params,
+  segmented_layout,
+  tiny_config,
+  train_forward,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -178,14 +185,7 @@ def _loss_fn(cfg, t):
   key = jax.random.PRNGKey(3)
 
   def loss_fn(params):
-    out = model.apply(
-      {"params": params},
-      batch["ids"],
-      batch["segment_ids"],
-      batch["positions"],
-      train=True,
-      rngs={"gumbel": key, "dropout": key},
-    )
+    out = train_forward(model, params, batch, key)
     return compute_loss(cfg, out, batch, (1.0, 1.0, 10.0))[0], out
 
   return loss_fn

@@ -19,6 +19,7 @@ from conftest import (
   random_params,
   segmented_layout,
   tiny_config,
+  train_forward,
 )
 
 from lca_jax.model.hierarchical import ByteLM
@@ -44,15 +45,7 @@ def _step(cfg):
   model = ByteLM(cfg)
 
   def loss_fn(params, batch, lambdas, key):
-    out = model.apply(
-      {"params": params},
-      batch["ids"],
-      batch["segment_ids"],
-      batch["positions"],
-      train=True,
-      rngs={"gumbel": key, "dropout": key},
-    )
-    return compute_loss(cfg, out, batch, lambdas)
+    return compute_loss(cfg, train_forward(model, params, batch, key), batch, lambdas)
 
   return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
 

@@ -17,7 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REL_REORDER, assert_close_rel, random_ids, random_params, tiny_config
+from conftest import (
+  REL_REORDER,
+  assert_close_rel,
+  random_ids,
+  random_params,
+  tiny_config,
+  train_forward,
+)
 
 from lca_jax.decode import hlo_stats
 from lca_jax.model import rows
@@ -67,14 +74,7 @@ def _grad_hlo(variant):
   }
 
   def loss_fn(params):
-    out = model.apply(
-      {"params": params},
-      batch["ids"],
-      batch["segment_ids"],
-      batch["positions"],
-      train=True,
-      rngs={"gumbel": jax.random.PRNGKey(1), "dropout": jax.random.PRNGKey(2)},
-    )
+    out = train_forward(model, params, batch, jax.random.PRNGKey(1))
     return compute_loss(cfg, out, batch, jnp.asarray((1.0, 1.0, 10.0), jnp.float32))[0]
 
   params = random_params(cfg, seed=1)
