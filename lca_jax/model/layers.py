@@ -152,7 +152,7 @@ class RMSNorm(nn.Module):
     )
     xf = rows.merged(x.astype(jnp.float32))  # [N, D]: see model/rows.py
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return (y * scale).astype(x.dtype).reshape(x.shape)
+    return (y * scale).reshape(x.shape).astype(x.dtype)
 
 
 def rope_tables(length: int, head_dim: int, base: float):
