@@ -56,8 +56,13 @@ STAGES = (
 )
 
 
-# the kinds ``_kind`` gives control flow (hlo_stats.CONTROL_OPS), whose events span their ops
-CONTROL_KINDS = frozenset("loop" if op == "while" else op for op in hlo_stats.CONTROL_OPS)
+def _control_kind(op: str) -> str:
+  """The kind of a control-flow op (hlo_stats.CONTROL_OPS): a while loop is a 'loop'."""
+  return "loop" if op == "while" else op
+
+
+# the kinds ``_kind`` gives control flow, whose events span their ops
+CONTROL_KINDS = frozenset(map(_control_kind, hlo_stats.CONTROL_OPS))
 
 
 class Op(NamedTuple):
@@ -94,7 +99,7 @@ def _kind(instr: str, op: str) -> str:
   if re.sub(r"-(start|done)$", "", op) in COLLECTIVES:
     return "collective"
   if op in hlo_stats.CONTROL_OPS:
-    return "loop" if op == "while" else op
+    return _control_kind(op)
   return op
 
 

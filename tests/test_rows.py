@@ -10,7 +10,6 @@ backward's row sums).
 """
 
 import functools
-import re
 
 import flax.linen as nn
 import jax
@@ -85,12 +84,13 @@ def _row_reductions(hlo_text, t):
   """The backward pass's reductions whose result is [1, t, ...]: one row's per-position sums
   over its last axis, as autodiff writes them for a [1, T, D] product."""
   found = []
-  for instrs in hlo_stats.computations(hlo_text).values():
+  for key, instrs in hlo_stats.computations(hlo_text).items():
+    if key == "ENTRY":  # the entry computation is also under its own name
+      continue
     for ins in instrs:
       if hlo_stats.op_name(ins) != "reduce" or "transpose(" not in ins:
         continue
-      m = re.search(r"=\s*[a-z]+\d*\[([\d,]*)\]", ins)
-      dims = [int(d) for d in m.group(1).split(",") if d] if m else []
+      dims = hlo_stats.result_dims(ins)
       if len(dims) >= 2 and dims[0] == 1 and dims[1] == t:
         found.append(ins[:200])
   return found
