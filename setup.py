@@ -31,6 +31,14 @@ setup(
     "torch": ["torch>=2.4"],
     "cuda12": ["jax[cuda12]>=0.9,<0.12"],
     "test": ["pytest>=8", "pytest-xdist>=3.5"],
+    # lca-serve; openai and httpx for its tests and tools/bench_serve.py
+    "serve": [
+      "fastapi>=0.110,<1",
+      "uvicorn>=0.29,<1",
+      "prometheus-client>=0.20,<1",
+      "openai>=1.40,<4",
+      "httpx>=0.27,<1",
+    ],
   },
   entry_points={
     "console_scripts": [
@@ -38,6 +46,7 @@ setup(
       "lca-sample=lca_jax.cli.sample:main",
       "lca-eval=lca_jax.cli.eval:main",
       "lca-convert=lca_jax.cli.convert:main",
+      "lca-serve=lca_jax.cli.serve:main",
     ]
   },
 )

@@ -27,7 +27,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from lca_jax.decode.sampling import SamplingParams, choose, log_probs, speculative_accept
+from lca_jax.decode.sampling import SamplingParams, choose, log_probs, speculative_accept, split2
 from lca_jax.model import incremental
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.incremental import DecodeState
@@ -118,8 +118,8 @@ def leading(ok_BN):
 def draft(cfg: ModelConfig, params, st: DecodeState, plan: Plan, key, sp, pending):
   """n drafted bytes [B, n] from a model's state: the next byte (or the pending one) then
   n - 1 candidates of its multi-byte head; their probabilities and draft log-probs [B, n, V]
-  and whether the first byte was forced."""
-  k1, k2 = jax.random.split(key)
+  and whether the first byte was forced. ``key``: one, or one per row ([B, 2])."""
+  k1, k2 = split2(key)
   t1, p1, l1 = choose(st.last_nt, k1, sp, plan.greedy)
   forced = pending >= 0
   t1 = jnp.where(forced, pending, t1)

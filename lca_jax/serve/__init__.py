@@ -1,0 +1,3 @@
+"""``lca-serve``: an OpenAI-compatible HTTP server over the decode engine with continuous
+batching (``slots``: the batched decode; ``scheduler``: requests in and out of slots;
+``schema``: request checking; ``metrics``: Prometheus; ``app``: the FastAPI app)."""

@@ -1,0 +1,294 @@
+"""A fixed-size batch of decode slots: prefill one request into a free slot, then decode every
+slot a chunk of steps at a time (the server's continuous batching, ``serve.scheduler``).
+
+The decode engine (``decode.engine``) runs a whole ``generate`` call as one ``while_loop`` over
+one batch; here the same pieces run a batch whose rows come and go: ``admit`` prefills one
+prompt (``incremental.prefill``) and writes its caches into row ``i`` of the batch's caches
+(``Slots.st``), and ``decode`` runs up to K steps of the mode's policy (``decode.policies``:
+``propose`` / ``commit``) for every row at once, recording each step's bytes. Rows are
+independent: each has its own byte budget, eos handling, step counter and PRNG key (so a
+seeded request draws the same bytes whichever slot and batch it lands in), temperature,
+top-k, top-p and tau. What is static, and so one batch per value: the mode, ``n`` and greedy
+or sampled (``GroupKey``). Shapes are fixed: B slots, a cache of ``length`` bytes for every
+row, prompts padded to a power-of-two bucket; so after one compile per (group, bucket) for
+``admit`` and one per group for ``decode``, no request compiles anything.
+
+Shapes: B slots, L cache bytes, P padded prompt, K steps per chunk, W bytes fed per step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lca_jax import vocab
+from lca_jax.decode import engine
+from lca_jax.decode.policies import POLICIES, Ctx, LoopState, Plan
+from lca_jax.decode.sampling import SamplingParams
+from lca_jax.model import incremental
+from lca_jax.model.incremental import DecodeState
+
+MIN_BUCKET = 16  # the shortest padded prompt
+
+
+class GroupKey(NamedTuple):
+  """What a batch's programs are compiled for: rows of one batch share these."""
+
+  mode: str
+  n: int  # bytes proposed per step (1 in ntp)
+  greedy: bool
+
+
+@flax.struct.dataclass
+class Slots:
+  """The device state of B slots. A free slot is ``done``; its caches are left as they were."""
+
+  st: DecodeState
+  pending: jax.Array  # [B] int32 byte forced as the next step's first byte, -1 = none
+  done: jax.Array  # [B] bool
+  gen: jax.Array  # [B] int32 bytes generated
+  budget: jax.Array  # [B] int32 bytes the row may generate
+  ignore_eos: jax.Array  # [B] bool
+  step: jax.Array  # [B] int32 steps the row has taken (its PRNG stream position)
+  key: jax.Array  # [B, 2] uint32 the row's PRNG key
+  tau: jax.Array  # [B] float32
+  temperature: jax.Array  # [B] float32 (> 0; unused when greedy)
+  top_k: jax.Array  # [B] int32
+  top_p: jax.Array  # [B] float32
+  n_cand: jax.Array  # [B] int32 candidates proposed
+  n_acc: jax.Array  # [B] int32 candidates accepted
+
+
+class RowParams(NamedTuple):
+  """One request's decoding parameters (host values)."""
+
+  budget: int
+  ignore_eos: bool = False
+  seed: int = 0
+  tau: float = 0.9
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+
+class Chunk(NamedTuple):
+  """What one ``decode`` call committed, on the host."""
+
+  d_KBW: np.ndarray  # bytes fed at each step
+  a_KB: np.ndarray  # bytes each row committed at each step (the first a of d)
+  done_B: np.ndarray
+  n_cand_B: np.ndarray
+  n_acc_B: np.ndarray
+  steps: int  # steps run (K, or fewer when every row finished)
+
+
+def buckets(context: int) -> tuple:
+  """Padded prompt lengths: powers of two from ``MIN_BUCKET`` up to the first that holds a
+  prompt of ``context - 1`` bytes."""
+  out, p = [], MIN_BUCKET
+  while True:
+    out.append(p)
+    if p >= context - 1:
+      return tuple(out)
+    p *= 2
+
+
+def bucket_of(n: int, context: int) -> int:
+  """The padded length of an ``n``-byte prompt."""
+  return next(b for b in buckets(context) if b >= n)
+
+
+def _cut(d_BW, a_B, s: Slots):
+  """Each row's accepted bytes cut at eos (unless the row ignores it) and at its budget (the
+  engine's ``_finalize`` with per-row eos handling and budgets)."""
+  a = jnp.where(s.done, 0, a_B)
+  is_eos = (d_BW == vocab.EOS_ID) & (jnp.arange(d_BW.shape[1])[None] < a[:, None])
+  is_eos = is_eos & ~s.ignore_eos[:, None]
+  hit = jnp.any(is_eos, axis=1)
+  a = jnp.where(hit, jnp.argmax(is_eos, axis=1) + 1, a)
+  a = jnp.minimum(a, s.budget - s.gen)
+  return a, s.done | hit | (s.gen + a >= s.budget)
+
+
+class SlotBatch:
+  """B slots of one ``GroupKey`` on one model, with a context of ``context`` bytes (prompt +
+  generation per row; at most the model's ``max_seq_len``)."""
+
+  def __init__(self, model, group: GroupKey, batch: int, context: int, on_compile=None):
+    self.model, self.group, self.batch, self.context = model, group, batch, context
+    cfg = model.cfg
+    policy = POLICIES[group.mode]
+    source = ("mlp" if cfg.n_mlp_mbp else "lca") if policy.multi_byte else ""
+    # capacity is unused here (no per-step arrays; budgets are per row)
+    self.plan = Plan(group.mode, group.n, group.greedy, False, context, source)
+    self.length = max(buckets(context)[-1], context) + 2 * self.plan.width + 1
+    self.on_compile = on_compile
+    self._exe = {}
+    self.params = engine._params_of(model, self.plan)  # pylint: disable=protected-access
+    self.slots = self._empty()
+
+  # ---- programs ----------------------------------------------------------------------------
+  def _compiled(self, name, fn, args, donate=()):
+    if name not in self._exe:
+      t0 = time.perf_counter()
+      lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+      self._exe[name] = engine.compile_lowered(lowered)
+      if self.on_compile is not None:
+        self.on_compile(self.group, name, time.perf_counter() - t0)
+    return self._exe[name]
+
+  def _ctx(self, params, s: Slots) -> Ctx:
+    cfg = self.model.cfg
+    p = engine._decode_params(self.plan, params, cfg.dtype)  # pylint: disable=protected-access
+    sp = SamplingParams(s.temperature, s.top_k, s.top_p)
+    return Ctx(cfg, None, p, None, self.plan, s.tau[:, None], s.budget, sp)
+
+  def _empty(self) -> Slots:
+    cfg, plan, b = self.model.cfg, self.plan, self.batch
+
+    def build(params):
+      p = engine._decode_params(plan, params, cfg.dtype)  # pylint: disable=protected-access
+      st = incremental.init_state(
+        cfg, p, b, self.length, plan.policy.target_mbp, plan.copies_in_extend
+      )
+      zi, zf = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.float32)
+      return Slots(
+        st=st,
+        pending=jnp.full((b,), -1, jnp.int32),
+        done=jnp.ones((b,), bool),
+        gen=zi,
+        budget=zi,
+        ignore_eos=jnp.zeros((b,), bool),
+        step=zi,
+        key=jnp.zeros((b, 2), jnp.uint32),
+        tau=zf,
+        temperature=zf + 1.0,
+        top_k=zi,
+        top_p=zf + 1.0,
+        n_cand=zi,
+        n_acc=zi,
+      )
+
+    return jax.jit(build)(self.params)
+
+  def _admit_fn(self, params, s: Slots, i, prompt_1P, plen_1, row):
+    cfg, plan = self.model.cfg, self.plan
+    p = engine._decode_params(plan, params, cfg.dtype)  # pylint: disable=protected-access
+    st1 = incremental.prefill(
+      cfg, p, prompt_1P, plen_1, self.length, plan.policy.target_mbp, plan.copies_in_extend
+    )
+    put = lambda big, one: jax.lax.dynamic_update_index_in_dim(big, one[0].astype(big.dtype), i, 0)
+    st = jax.tree_util.tree_map(put, s.st, st1)
+    budget, ignore_eos, key, tau, temperature, top_k, top_p = row
+    at = lambda x, v: x.at[i].set(v)
+    return s.replace(
+      st=st,
+      pending=at(s.pending, -1),
+      done=at(s.done, False),
+      gen=at(s.gen, 0),
+      budget=at(s.budget, budget),
+      ignore_eos=at(s.ignore_eos, ignore_eos),
+      step=at(s.step, 0),
+      key=at(s.key, key),
+      tau=at(s.tau, tau),
+      temperature=at(s.temperature, jnp.maximum(temperature, 1e-6)),
+      top_k=at(s.top_k, top_k),
+      top_p=at(s.top_p, top_p),
+      n_cand=at(s.n_cand, 0),
+      n_acc=at(s.n_acc, 0),
+    )
+
+  def _decode_fn(self, k_steps, params, s: Slots, active_B):
+    plan = self.plan
+    policy = plan.policy
+    b, w = self.batch, plan.width
+    s = s.replace(done=s.done | ~active_B)
+    ctx = self._ctx(params, s)
+    d0 = jnp.zeros((k_steps, b, w), jnp.int32)
+    a0 = jnp.zeros((k_steps, b), jnp.int32)
+
+    def body(c):
+      i, s, d_KBW, a_KB = c
+      if plan.greedy:  # no draw: one unused key for the batch
+        k_draft = k_acc = jax.random.PRNGKey(0)
+      else:
+        ks = jax.vmap(lambda k, t: jax.random.split(jax.random.fold_in(k, t)))(s.key, s.step)
+        k_draft, k_acc = ks[:, 0], ks[:, 1]
+      loop = LoopState(
+        st=s.st,
+        dst=None,
+        keys=None,
+        pending=s.pending,
+        done=s.done,
+        gen=s.gen,
+        step=i,
+        per_step=None,
+        n_cand=s.n_cand,
+        n_acc=s.n_acc,
+        closed0=None,
+      )
+      prop = policy.propose(ctx, loop, k_draft, k_acc)
+      a, done = _cut(prop.d_BK, prop.a_B, s)
+      nxt = policy.commit(ctx, loop, prop, a, done)
+      acc = jnp.maximum(a - policy.head_bytes, 0)
+      s = s.replace(
+        st=nxt.st,
+        pending=nxt.pending,
+        done=done,
+        gen=s.gen + a,
+        step=s.step + (~s.done).astype(jnp.int32),
+        n_cand=s.n_cand + prop.n_cand_B,
+        n_acc=s.n_acc + jnp.where(prop.n_cand_B > 0, acc, 0),
+      )
+      return i + 1, s, d_KBW.at[i].set(prop.d_BK), a_KB.at[i].set(a)
+
+    cond = lambda c: (c[0] < k_steps) & jnp.any(~c[1].done)
+    i, s, d_KBW, a_KB = jax.lax.while_loop(cond, body, (jnp.int32(0), s, d0, a0))
+    return s, (d_KBW, a_KB, s.done, s.n_cand, s.n_acc, i)
+
+  # ---- host API ----------------------------------------------------------------------------
+  def admit(self, i: int, prompt_ids: np.ndarray, row: RowParams):
+    """Prefill ``prompt_ids`` (1 <= size < context) into slot ``i`` (a free one)."""
+    n = int(prompt_ids.size)
+    bucket = bucket_of(n, self.context)
+    prompt = np.zeros((1, bucket), np.int32)
+    prompt[0, :n] = prompt_ids
+    seed = int(row.seed) & (2**64 - 1)  # a PRNG key takes any 64-bit integer
+    key = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+    vals = (
+      np.int32(row.budget),
+      np.bool_(row.ignore_eos),
+      key,
+      np.float32(row.tau),
+      np.float32(row.temperature),
+      np.int32(row.top_k),
+      np.float32(row.top_p),
+    )
+    args = (self.params, self.slots, np.int32(i), prompt, np.array([n], np.int32), vals)
+    exe = self._compiled(("admit", bucket), self._admit_fn, args, donate=(1,))
+    self.slots = exe(*args)
+
+  def decode(self, k_steps: int, active_B: np.ndarray) -> Chunk:
+    """Up to ``k_steps`` steps of every active slot (``active_B``; the others stop at once)."""
+    args = (self.params, self.slots, np.asarray(active_B, bool))
+    fn = lambda *a: self._decode_fn(k_steps, *a)
+    exe = self._compiled(("decode", k_steps), fn, args, donate=(1,))
+    self.slots, out = exe(*args)
+    d, a, done, n_cand, n_acc, steps = jax.device_get(out)
+    return Chunk(d, a, done, n_cand, n_acc, int(steps))
+
+  def warm(self, k_steps: int):
+    """Compile ``decode`` and ``admit`` for every prompt bucket (nothing is decoded: the
+    admitted rows are never activated)."""
+    for b in buckets(self.context):
+      self.admit(0, np.full((min(b, self.context - 1),), vocab.BYTE_OFFSET, np.int32), RowParams(1))
+    self.decode(k_steps, np.zeros((self.batch,), bool))
+
+  @property
+  def compiled(self) -> int:
+    return len(self._exe)
