@@ -11,7 +11,9 @@ Rows of one batch share a ``slots.GroupKey`` (mode, n, greedy or sampled); every
 (temperature, top-k, top-p, tau, seed, budget, stop strings) is per row. Requests of different
 groups run in separate batches, one chunk each in turn; at most ``max_groups`` batches exist at
 a time (an idle one is dropped for a new group; a job whose group cannot get a batch waits).
-At most ``slots`` jobs decode at once, across all batches: each batch has that many slots.
+At most ``slots`` jobs decode at once, across all batches: each batch has that many slots. A
+job takes the lowest free slot of its batch, so that a chunk decodes as few slots as it can
+(``slots.widths``).
 
 A job reports to its ``sink`` (called from this thread): ``("delta", text)`` for new text
 (never a split UTF-8 character, never the start of a stop string that may still complete),
@@ -294,20 +296,20 @@ class Scheduler:
     c = g.batch.decode(self.chunk_steps, active)
     now = time.monotonic()
     n_bytes = cand = acc = 0
-    for i, j in enumerate(g.jobs):
+    for i, j in enumerate(g.jobs[: c.width]):
       if j is None:
         continue
-      a = c.a_KB[: c.steps, i]
-      ids = [int(x) for k in range(c.steps) for x in c.d_KBW[k, i, : a[k]]]
+      a = c.a_Kw[: c.steps, i]
+      ids = [int(x) for k in range(c.steps) for x in c.d_KwW[k, i, : a[k]]]
       n_bytes += len(ids)
       j.steps += int(np.sum(a > 0))
-      cand += int(c.n_cand_B[i]) - j.n_cand
-      acc += int(c.n_acc_B[i]) - j.n_acc
-      j.n_cand, j.n_acc = int(c.n_cand_B[i]), int(c.n_acc_B[i])
+      cand += int(c.n_cand_w[i]) - j.n_cand
+      acc += int(c.n_acc_w[i]) - j.n_acc
+      j.n_cand, j.n_acc = int(c.n_cand_w[i]), int(c.n_acc_w[i])
       if ids and j.first_byte_s is None:
         j.first_byte_s = now - j.t0
         self.metrics.ttfb.observe(j.first_byte_s)
-      done = bool(c.done_B[i])
+      done = bool(c.done_w[i])
       if j.cancelled:
         self._free(g, i)
         continue
@@ -317,5 +319,5 @@ class Scheduler:
         j.end("stop" if stopped or eos else "length")
         self._free(g, i)
     self.metrics.record_chunk(
-      n_bytes, int(np.sum(c.a_KB[: c.steps] > 0)), cand, acc, int(active.sum()), g.batch.batch
+      n_bytes, int(np.sum(c.a_Kw[: c.steps] > 0)), cand, acc, int(active.sum()), c.width
     )

@@ -9,11 +9,15 @@ prompt (``incremental.prefill``) and writes its caches into row ``i`` of the bat
 independent: each has its own byte budget, eos handling, step counter and PRNG key (so a
 seeded request draws the same bytes whichever slot and batch it lands in), temperature,
 top-k, top-p and tau. What is static, and so one batch per value: the mode, ``n`` and greedy
-or sampled (``GroupKey``). Shapes are fixed: B slots, a cache of ``length`` bytes for every
-row, prompts padded to a power-of-two bucket; so after one compile per (group, bucket) for
-``admit`` and one per group for ``decode``, no request compiles anything.
+or sampled (``GroupKey``). A chunk decodes only the first w slots, w the smallest of
+``widths(B)`` (1, 4, 16, ..., B) that holds every active row (the scheduler fills the lowest
+free slot first): one request alone steps a batch of 1, not of B, whose caches every step
+would read. Shapes are fixed: B slots, a cache of ``length`` bytes for every row, prompts
+padded to a power-of-two bucket; so after one compile per (group, bucket) for ``admit`` and
+one per (group, width) for ``decode``, no request compiles anything.
 
-Shapes: B slots, L cache bytes, P padded prompt, K steps per chunk, W bytes fed per step.
+Shapes: B slots, w decoded slots, L cache bytes, P padded prompt, K steps per chunk, W bytes fed
+per step.
 """
 
 from __future__ import annotations
@@ -77,14 +81,28 @@ class RowParams(NamedTuple):
 
 
 class Chunk(NamedTuple):
-  """What one ``decode`` call committed, on the host."""
+  """What one ``decode`` call committed, on the host, for the first w slots (the others were
+  not decoded)."""
 
-  d_KBW: np.ndarray  # bytes fed at each step
-  a_KB: np.ndarray  # bytes each row committed at each step (the first a of d)
-  done_B: np.ndarray
-  n_cand_B: np.ndarray
-  n_acc_B: np.ndarray
+  d_KwW: np.ndarray  # bytes fed at each step
+  a_Kw: np.ndarray  # bytes each row committed at each step (the first a of d)
+  done_w: np.ndarray
+  n_cand_w: np.ndarray
+  n_acc_w: np.ndarray
   steps: int  # steps run (K, or fewer when every row finished)
+
+  @property
+  def width(self) -> int:
+    return self.a_Kw.shape[1]
+
+
+def widths(batch: int) -> tuple:
+  """The slot counts a chunk may decode: powers of 4 below ``batch``, then ``batch``."""
+  out, w = [], 1
+  while w < batch:
+    out.append(w)
+    w *= 4
+  return tuple(out) + (batch,)
 
 
 def buckets(context: int) -> tuple:
@@ -203,17 +221,18 @@ class SlotBatch:
       n_acc=at(s.n_acc, 0),
     )
 
-  def _decode_fn(self, k_steps, params, s: Slots, active_B):
+  def _decode_fn(self, k_steps, width, params, s_all: Slots, active_w):
     plan = self.plan
     policy = plan.policy
-    b, w = self.batch, plan.width
-    s = s.replace(done=s.done | ~active_B)
+    w = plan.width
+    s = jax.tree_util.tree_map(lambda x: x[:width], s_all)  # the first ``width`` slots
+    s = s.replace(done=s.done | ~active_w)
     ctx = self._ctx(params, s)
-    d0 = jnp.zeros((k_steps, b, w), jnp.int32)
-    a0 = jnp.zeros((k_steps, b), jnp.int32)
+    d0 = jnp.zeros((k_steps, width, w), jnp.int32)
+    a0 = jnp.zeros((k_steps, width), jnp.int32)
 
     def body(c):
-      i, s, d_KBW, a_KB = c
+      i, s, d_KwW, a_Kw = c
       if plan.greedy:  # no draw: one unused key for the batch
         k_draft = k_acc = jax.random.PRNGKey(0)
       else:
@@ -245,11 +264,13 @@ class SlotBatch:
         n_cand=s.n_cand + prop.n_cand_B,
         n_acc=s.n_acc + jnp.where(prop.n_cand_B > 0, acc, 0),
       )
-      return i + 1, s, d_KBW.at[i].set(prop.d_BK), a_KB.at[i].set(a)
+      return i + 1, s, d_KwW.at[i].set(prop.d_BK), a_Kw.at[i].set(a)
 
     cond = lambda c: (c[0] < k_steps) & jnp.any(~c[1].done)
-    i, s, d_KBW, a_KB = jax.lax.while_loop(cond, body, (jnp.int32(0), s, d0, a0))
-    return s, (d_KBW, a_KB, s.done, s.n_cand, s.n_acc, i)
+    i, s, d_KwW, a_Kw = jax.lax.while_loop(cond, body, (jnp.int32(0), s, d0, a0))
+    put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, 0)
+    s_all = jax.tree_util.tree_map(put, s_all, s)
+    return s_all, (d_KwW, a_Kw, s.done, s.n_cand, s.n_acc, i)
 
   # ---- host API ----------------------------------------------------------------------------
   def admit(self, i: int, prompt_ids: np.ndarray, row: RowParams):
@@ -273,21 +294,27 @@ class SlotBatch:
     exe = self._compiled(("admit", bucket), self._admit_fn, args, donate=(1,))
     self.slots = exe(*args)
 
-  def decode(self, k_steps: int, active_B: np.ndarray) -> Chunk:
-    """Up to ``k_steps`` steps of every active slot (``active_B``; the others stop at once)."""
-    args = (self.params, self.slots, np.asarray(active_B, bool))
-    fn = lambda *a: self._decode_fn(k_steps, *a)
-    exe = self._compiled(("decode", k_steps), fn, args, donate=(1,))
+  def decode(self, k_steps: int, active_B: np.ndarray, width: int = 0) -> Chunk:
+    """Up to ``k_steps`` steps of every active slot (``active_B``; the others stop at once),
+    decoding the first ``width`` slots (one of ``widths``; 0: the least that holds them)."""
+    active_B = np.asarray(active_B, bool)
+    if not width:
+      last = int(np.flatnonzero(active_B)[-1]) + 1 if active_B.any() else 1
+      width = next(w for w in widths(self.batch) if w >= last)
+    args = (self.params, self.slots, active_B[:width])
+    fn = lambda *a: self._decode_fn(k_steps, width, *a)
+    exe = self._compiled(("decode", k_steps, width), fn, args, donate=(1,))
     self.slots, out = exe(*args)
     d, a, done, n_cand, n_acc, steps = jax.device_get(out)
     return Chunk(d, a, done, n_cand, n_acc, int(steps))
 
   def warm(self, k_steps: int):
-    """Compile ``decode`` and ``admit`` for every prompt bucket (nothing is decoded: the
-    admitted rows are never activated)."""
+    """Compile ``admit`` for every prompt bucket and ``decode`` for every width (nothing is
+    decoded: the admitted rows are never activated)."""
     for b in buckets(self.context):
       self.admit(0, np.full((min(b, self.context - 1),), vocab.BYTE_OFFSET, np.int32), RowParams(1))
-    self.decode(k_steps, np.zeros((self.batch,), bool))
+    for w in widths(self.batch):
+      self.decode(k_steps, np.zeros((self.batch,), bool), w)
 
   @property
   def compiled(self) -> int:
