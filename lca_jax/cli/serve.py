@@ -6,7 +6,7 @@
 
 Endpoints: POST /v1/completions and /v1/chat/completions (the checkpoint's SFT chat format;
 ``stream: true`` for server-sent events), GET /v1/models, /health, /metrics (Prometheus).
-Tokens are bytes (``max_tokens`` counts bytes). lca extras in a request body: ``mode`` (ntp |
+Tokens are byte ids (``max_tokens`` counts bytes, and eos). lca extras in a request body: ``mode`` (ntp |
 threshold | verify), ``tau``, ``mbp_n``, ``top_k``, ``ignore_eos``. Up to --max-batch requests
 decode together; a new one joins the running batch between decode chunks of --chunk-steps
 steps, and a finished or cancelled one leaves it at once. Requests beyond the slots wait in a

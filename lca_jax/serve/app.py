@@ -19,10 +19,12 @@ import time
 import traceback
 from typing import List, Optional
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lca_jax import vocab
 from lca_jax.serve import schema
 from lca_jax.serve.metrics import Metrics
 from lca_jax.serve.scheduler import Job, Scheduler
@@ -39,15 +41,15 @@ def _error(e: ServeError, metrics: Metrics, endpoint: str) -> JSONResponse:
 
 def _usage(req: GenRequest, ends: List[dict]) -> dict:
   prompt = int(sum(p.size for p in req.prompts))
-  completion = sum(e["completion_bytes"] for e in ends)
+  completion = sum(e["completion_tokens"] for e in ends)
   steps = sum(e["steps"] for e in ends)
   cand = sum(e["candidates"] for e in ends)
   return {
     "prompt_tokens": prompt,
     "completion_tokens": completion,
     "total_tokens": prompt + completion,
-    "prompt_bytes": prompt,
-    "completion_bytes": completion,
+    "prompt_bytes": int(sum(np.sum(vocab.is_byte_id(p)) for p in req.prompts)),
+    "completion_bytes": sum(e["completion_bytes"] for e in ends),
     "decode_steps": steps,
     "bytes_per_step": completion / steps if steps else None,
     "acceptance_rate": sum(e["accepted"] for e in ends) / cand if cand else None,

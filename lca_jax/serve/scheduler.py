@@ -58,7 +58,7 @@ class Job:
     self.cancelled = False  # set by the app (client gone); the slot is freed before next chunk
     self.dec = vocab.StreamDecoder()
     self.text, self.sent = "", 0
-    self.n_bytes = self.steps = self.n_cand = self.n_acc = 0
+    self.n_tokens = self.n_bytes = self.steps = self.n_cand = self.n_acc = 0
     self.first_byte_s: Optional[float] = None
     self.finished = False
 
@@ -74,7 +74,8 @@ class Job:
   def push(self, ids: List[int], final: bool) -> Optional[str]:
     """Take newly committed ids; emit the text that is safe to send. Returns "stop" when a
     stop string ended the text (cut before it), else None."""
-    self.n_bytes += sum(1 for i in ids if i != vocab.EOS_ID)
+    self.n_tokens += len(ids)  # what max_tokens budgets: every id, eos included
+    self.n_bytes += int(np.sum(vocab.is_byte_id(ids))) if ids else 0
     self.text += self.dec.push([i for i in ids if i != vocab.EOS_ID])
     if final:
       self.text += self.dec.flush()
@@ -97,6 +98,7 @@ class Job:
     self.finished = True
     info = dict(
       finish_reason=reason,
+      completion_tokens=self.n_tokens,
       completion_bytes=self.n_bytes,
       steps=self.steps,
       candidates=self.n_cand,
@@ -244,30 +246,39 @@ class Scheduler:
 
   def _admit(self):
     """Move waiting jobs into free slots (FIFO; a job whose group has no batch yet, with every
-    batch busy, waits while later ones go), dropping cancelled and timed-out ones."""
+    batch busy, waits while later ones go), dropping cancelled and timed-out ones; the jobs of
+    one batch are prefilled together (``SlotBatch.admit_many``)."""
     now = time.monotonic()
-    while self.n_active < self.slots:
+    taken = {}  # group -> [(slot, job)]
+    while True:
+      missing = None  # a group to build a batch for, outside the lock (it compiles)
       with self._cv:
-        job = None
-        for j in self._pending:
-          if j.cancelled or j.deadline <= now or self._group_room(j.group):
-            job = j
+        for j in list(self._pending):
+          if j.cancelled or j.deadline <= now:
+            self._pending.remove(j)
+            if not j.cancelled:
+              j.fail(ServeError("the request timed out waiting for a slot", 504, code="timeout"))
+            continue
+          if self.n_active >= self.slots:
             break
-        if job is None:
-          break
-        self._pending.remove(job)
+          if not self._group_room(j.group):
+            continue
+          if j.group not in self._groups:
+            missing = j.group
+            break
+          g = self._group(j.group)
+          i = g.jobs.index(None)
+          g.jobs[i] = j  # the slot is the job's from now on
+          taken.setdefault(j.group, []).append((i, j))
+          self.n_active += 1
+          self._pending.remove(j)
         self.metrics.queue.set(len(self._pending))
-      if job.cancelled:
-        continue
-      if job.deadline <= now:
-        job.fail(ServeError("the request timed out waiting for a slot", 504, code="timeout"))
-        continue
-      g = self._group(job.group)
-      i = g.jobs.index(None)
-      g.batch.admit(i, job.prompt_ids, job.row)
-      g.jobs[i] = job
-      self.n_active += 1
-      self.metrics.active.set(self.n_active)
+      if missing is None:
+        break
+      self._group(missing)
+    self.metrics.active.set(self.n_active)
+    for key, entries in taken.items():
+      self._groups[key].batch.admit_many([(i, j.prompt_ids, j.row) for i, j in entries])
 
   def _group_room(self, key: GroupKey) -> bool:
     g = self._groups.get(key)

@@ -10,11 +10,11 @@ independent: each has its own byte budget, eos handling, step counter and PRNG k
 seeded request draws the same bytes whichever slot and batch it lands in), temperature,
 top-k, top-p and tau. What is static, and so one batch per value: the mode, ``n`` and greedy
 or sampled (``GroupKey``). A chunk decodes only the first w slots, w the smallest of
-``widths(B)`` (1, 4, 16, ..., B) that holds every active row (the scheduler fills the lowest
+``widths(B)`` (1, 2, 4, ..., B) that holds every active row (the scheduler fills the lowest
 free slot first): one request alone steps a batch of 1, not of B, whose caches every step
 would read. Shapes are fixed: B slots, a cache of ``length`` bytes for every row, prompts
-padded to a power-of-two bucket; so after one compile per (group, bucket) for ``admit`` and
-one per (group, width) for ``decode``, no request compiles anything.
+padded to a power-of-two bucket; so after one compile per (group, bucket, rows) for ``admit``
+and one per (group, width) for ``decode``, no request compiles anything.
 
 Shapes: B slots, w decoded slots, L cache bytes, P padded prompt, K steps per chunk, W bytes fed
 per step.
@@ -38,6 +38,7 @@ from lca_jax.model import incremental
 from lca_jax.model.incremental import DecodeState
 
 MIN_BUCKET = 16  # the shortest padded prompt
+ADMIT_ROWS = (1, 4)  # prompts one prefill takes (padded with dropped rows)
 
 
 class GroupKey(NamedTuple):
@@ -97,11 +98,11 @@ class Chunk(NamedTuple):
 
 
 def widths(batch: int) -> tuple:
-  """The slot counts a chunk may decode: powers of 4 below ``batch``, then ``batch``."""
+  """The slot counts a chunk may decode: powers of 2 below ``batch``, then ``batch``."""
   out, w = [], 1
   while w < batch:
     out.append(w)
-    w *= 4
+    w *= 2
   return tuple(out) + (batch,)
 
 
@@ -194,16 +195,16 @@ class SlotBatch:
 
     return jax.jit(build)(self.params)
 
-  def _admit_fn(self, params, s: Slots, i, prompt_1P, plen_1, row):
+  def _admit_fn(self, params, s: Slots, idx_m, prompt_mP, plen_m, rows):
     cfg, plan = self.model.cfg, self.plan
     p = engine._decode_params(plan, params, cfg.dtype)  # pylint: disable=protected-access
-    st1 = incremental.prefill(
-      cfg, p, prompt_1P, plen_1, self.length, plan.policy.target_mbp, plan.copies_in_extend
+    st_m = incremental.prefill(
+      cfg, p, prompt_mP, plen_m, self.length, plan.policy.target_mbp, plan.copies_in_extend
     )
-    put = lambda big, one: jax.lax.dynamic_update_index_in_dim(big, one[0].astype(big.dtype), i, 0)
-    st = jax.tree_util.tree_map(put, s.st, st1)
-    budget, ignore_eos, key, tau, temperature, top_k, top_p = row
-    at = lambda x, v: x.at[i].set(v)
+    # rows of idx B (padding) fall outside the batch and are dropped
+    at = lambda x, v: x.at[idx_m].set(jnp.asarray(v).astype(x.dtype), mode="drop")
+    st = jax.tree_util.tree_map(at, s.st, st_m)
+    budget, ignore_eos, key, tau, temperature, top_k, top_p = rows
     return s.replace(
       st=st,
       pending=at(s.pending, -1),
@@ -275,23 +276,41 @@ class SlotBatch:
   # ---- host API ----------------------------------------------------------------------------
   def admit(self, i: int, prompt_ids: np.ndarray, row: RowParams):
     """Prefill ``prompt_ids`` (1 <= size < context) into slot ``i`` (a free one)."""
-    n = int(prompt_ids.size)
-    bucket = bucket_of(n, self.context)
-    prompt = np.zeros((1, bucket), np.int32)
-    prompt[0, :n] = prompt_ids
-    seed = int(row.seed) & (2**64 - 1)  # a PRNG key takes any 64-bit integer
-    key = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+    self.admit_many([(i, prompt_ids, row)])
+
+  def admit_many(self, entries):
+    """Prefill each ``(slot, prompt_ids, RowParams)`` of ``entries`` into its (free) slot: the
+    prompts of one bucket ``ADMIT_ROWS`` at a time (one prefill of several rows costs little
+    more than one of a row)."""
+    by_bucket = {}
+    for e in entries:
+      by_bucket.setdefault(bucket_of(int(e[1].size), self.context), []).append(e)
+    for bucket, todo in sorted(by_bucket.items()):
+      m = ADMIT_ROWS[-1] if len(todo) > 1 else 1
+      for k in range(0, len(todo), m):
+        self._admit_rows(bucket, m, todo[k : k + m])
+
+  def _admit_rows(self, bucket: int, m: int, entries):
+    prompt = np.zeros((m, bucket), np.int32)
+    prompt[:, 0] = vocab.BYTE_OFFSET  # padding rows: a one-byte prompt, dropped
+    plen = np.ones((m,), np.int32)
+    idx = np.full((m,), self.batch, np.int32)
+    rows = [RowParams(1)] * m
+    for r, (i, ids, row) in enumerate(entries):
+      prompt[r, : ids.size] = ids
+      plen[r], idx[r], rows[r] = ids.size, i, row
+    seeds = [int(x.seed) & (2**64 - 1) for x in rows]  # a PRNG key takes any 64-bit integer
     vals = (
-      np.int32(row.budget),
-      np.bool_(row.ignore_eos),
-      key,
-      np.float32(row.tau),
-      np.float32(row.temperature),
-      np.int32(row.top_k),
-      np.float32(row.top_p),
+      np.array([x.budget for x in rows], np.int32),
+      np.array([x.ignore_eos for x in rows], bool),
+      np.array([[v >> 32, v & 0xFFFFFFFF] for v in seeds], np.uint32),
+      np.array([x.tau for x in rows], np.float32),
+      np.array([x.temperature for x in rows], np.float32),
+      np.array([x.top_k for x in rows], np.int32),
+      np.array([x.top_p for x in rows], np.float32),
     )
-    args = (self.params, self.slots, np.int32(i), prompt, np.array([n], np.int32), vals)
-    exe = self._compiled(("admit", bucket), self._admit_fn, args, donate=(1,))
+    args = (self.params, self.slots, idx, prompt, plen, vals)
+    exe = self._compiled(("admit", bucket, m), self._admit_fn, args, donate=(1,))
     self.slots = exe(*args)
 
   def decode(self, k_steps: int, active_B: np.ndarray, width: int = 0) -> Chunk:
@@ -312,7 +331,9 @@ class SlotBatch:
     """Compile ``admit`` for every prompt bucket and ``decode`` for every width (nothing is
     decoded: the admitted rows are never activated)."""
     for b in buckets(self.context):
-      self.admit(0, np.full((min(b, self.context - 1),), vocab.BYTE_OFFSET, np.int32), RowParams(1))
+      ids = np.full((min(b, self.context - 1),), vocab.BYTE_OFFSET, np.int32)
+      for m in ADMIT_ROWS:
+        self._admit_rows(b, m, [(0, ids, RowParams(1))])
     for w in widths(self.batch):
       self.decode(k_steps, np.zeros((self.batch,), bool), w)
 
