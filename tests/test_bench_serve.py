@@ -26,6 +26,7 @@ ROUND_KEYS = {
   "ttfb_ms_p99",
   "per_byte_ms_p50",
   "per_byte_ms_p99",
+  "client_cpu_s",
 }
 
 

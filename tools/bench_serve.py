@@ -10,11 +10,13 @@ the largest client count, ``--context`` as given) and stops it at the end; with 
 loads a server already running on this machine (loopback addresses only). Each client is a
 thread that sends ``--requests`` streaming completions one after another (greedy unless
 ``--temperature``, ``ignore_eos`` so that each generates exactly ``--max-tokens`` bytes, a
-prompt of ``--prompt-bytes`` bytes that differs per client); one request first warms the
+prompt of ``--prompt-bytes`` bytes that differs per client; "bytes" count the tokens
+``usage`` reports, every byte and the odd special id); one request first warms the
 server up (not timed). Per client count: requests/s and bytes/s (all clients together, over
 the wall time of the round), p50 / p99 time to first byte (request sent to the first text
 event) and per-byte latency ((last event - first event) / (bytes - 1) of each request), plus
-the errors; at the end ``bytes_per_s_ratio``: bytes/s at the largest client count over bytes/s
+the errors, and ``client_cpu_s``: the CPU time of this tool's own clients in the round (they
+share the machine with the server); at the end ``bytes_per_s_ratio``: bytes/s at the largest client count over bytes/s
 at the smallest. Bounded: at most ``MAX_CLIENTS`` clients and ``MAX_REQUESTS`` requests per
 round. Bad input: an argparse error (exit status 2).
 """
@@ -97,12 +99,14 @@ def run_round(url: str, clients: int, requests: int, body: dict, timeout: float)
         results[i].append(one_request(http, url, {**body, "prompt": body["prompt"][i]}))
 
   threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+  cpu0 = time.process_time()
   t0 = time.perf_counter()
   for t in threads:
     t.start()
   for t in threads:
     t.join()
   wall = time.perf_counter() - t0
+  cpu = time.process_time() - cpu0
   flat = [r for rs in results for r in rs]
   ok = [r for r in flat if "error" not in r]
   ttfb = np.array([r["ttfb_s"] for r in ok])
@@ -122,6 +126,7 @@ def run_round(url: str, clients: int, requests: int, body: dict, timeout: float)
     "ttfb_ms_p99": pct(ttfb, 99),
     "per_byte_ms_p50": pct(per_byte, 50),
     "per_byte_ms_p99": pct(per_byte, 99),
+    "client_cpu_s": cpu,
   }
 
 

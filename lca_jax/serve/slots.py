@@ -12,9 +12,12 @@ top-k, top-p and tau. What is static, and so one batch per value: the mode, ``n`
 or sampled (``GroupKey``). A chunk decodes only the first w slots, w the smallest of
 ``widths(B)`` (1, 2, 4, ..., B) that holds every active row (the scheduler fills the lowest
 free slot first): one request alone steps a batch of 1, not of B, whose caches every step
-would read. Shapes are fixed: B slots, a cache of ``length`` bytes for every row, prompts
-padded to a power-of-two bucket; so after one compile per (group, bucket, rows) for ``admit``
-and one per (group, width) for ``decode``, no request compiles anything.
+would read. Likewise it reads only the first quarter of the caches (``spans``) while every
+active row fits there after the chunk (the cache fields cut to that length: a smaller cache of
+the same rows), so short requests on a long context step as fast as on a short one. Shapes are
+fixed: B slots, a cache of ``length`` bytes for every row, prompts padded to a power-of-two
+bucket; so after one compile per (group, bucket, rows) for ``admit`` and one per (group, width,
+span) for ``decode``, no request compiles anything.
 
 Shapes: B slots, w decoded slots, L cache bytes, P padded prompt, K steps per chunk, W bytes fed
 per step.
@@ -39,6 +42,7 @@ from lca_jax.model.incremental import DecodeState
 
 MIN_BUCKET = 16  # the shortest padded prompt
 ADMIT_ROWS = (1, 4)  # prompts one prefill takes (padded with dropped rows)
+SPAN_FROM = 256  # caches of this many slots or more may be read a quarter at a time
 
 
 class GroupKey(NamedTuple):
@@ -106,6 +110,32 @@ def widths(batch: int) -> tuple:
   return tuple(out) + (batch,)
 
 
+def spans(length: int) -> tuple:
+  """The cache lengths a chunk may read: a quarter of ``length`` (a multiple of 8) for caches
+  of at least ``SPAN_FROM`` slots, then all of them."""
+  if length < SPAN_FROM:
+    return (length,)
+  return (-(-length // 32) * 8, length)
+
+
+# the byte-indexed fields of a DecodeState (axis of L) and the latent-slot ones (axis of S =
+# L + 1); each kv cache is (k [B, KV, L, E], v [B, KV, E, L])
+_BYTE_AXES = dict(ids=1, b=1, g=1)
+_SLOT_AXES = dict(z=1, s=1)
+_KV_BYTES = ("enc", "dec", "mbp")
+
+
+def _span_view(st: DecodeState, n: int, fn) -> DecodeState:
+  """``st`` with ``fn(x, axis, size)`` applied to every byte-indexed field (size n) and every
+  latent-slot one (size n + 1)."""
+  new = {k: fn(getattr(st, k), a, n) for k, a in _BYTE_AXES.items()}
+  new.update({k: fn(getattr(st, k), a, n + 1) for k, a in _SLOT_AXES.items()})
+  kv = lambda caches, m: tuple((fn(k, 2, m), fn(v, 3, m)) for k, v in caches)
+  new.update({k: kv(getattr(st, k), n) for k in _KV_BYTES})
+  new["lm"] = kv(st.lm, n + 1)
+  return st.replace(**new)
+
+
 def buckets(context: int) -> tuple:
   """Padded prompt lengths: powers of two from ``MIN_BUCKET`` up to the first that holds a
   prompt of ``context - 1`` bytes."""
@@ -150,6 +180,7 @@ class SlotBatch:
     self._exe = {}
     self.params = engine._params_of(model, self.plan)  # pylint: disable=protected-access
     self.slots = self._empty()
+    self._lengths = np.zeros((batch,), np.int64)  # each slot's committed bytes (host copy)
 
   # ---- programs ----------------------------------------------------------------------------
   def _compiled(self, name, fn, args, donate=()):
@@ -222,11 +253,14 @@ class SlotBatch:
       n_acc=at(s.n_acc, 0),
     )
 
-  def _decode_fn(self, k_steps, width, params, s_all: Slots, active_w):
+  def _decode_fn(self, k_steps, width, span, params, s_all: Slots, active_w):
     plan = self.plan
     policy = plan.policy
     w = plan.width
     s = jax.tree_util.tree_map(lambda x: x[:width], s_all)  # the first ``width`` slots
+    if span < self.length:  # ... and the first ``span`` bytes of their caches
+      cut = lambda x, axis, n: jax.lax.slice_in_dim(x, 0, n, axis=axis)
+      s = s.replace(st=_span_view(s.st, span, cut))
     s = s.replace(done=s.done | ~active_w)
     ctx = self._ctx(params, s)
     d0 = jnp.zeros((k_steps, width, w), jnp.int32)
@@ -269,7 +303,7 @@ class SlotBatch:
 
     cond = lambda c: (c[0] < k_steps) & jnp.any(~c[1].done)
     i, s, d_KwW, a_Kw = jax.lax.while_loop(cond, body, (jnp.int32(0), s, d0, a0))
-    put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, 0)
+    put = lambda full, part: jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
     s_all = jax.tree_util.tree_map(put, s_all, s)
     return s_all, (d_KwW, a_Kw, s.done, s.n_cand, s.n_acc, i)
 
@@ -299,6 +333,7 @@ class SlotBatch:
     for r, (i, ids, row) in enumerate(entries):
       prompt[r, : ids.size] = ids
       plen[r], idx[r], rows[r] = ids.size, i, row
+      self._lengths[i] = ids.size
     seeds = [int(x.seed) & (2**64 - 1) for x in rows]  # a PRNG key takes any 64-bit integer
     vals = (
       np.array([x.budget for x in rows], np.int32),
@@ -313,29 +348,36 @@ class SlotBatch:
     exe = self._compiled(("admit", bucket, m), self._admit_fn, args, donate=(1,))
     self.slots = exe(*args)
 
-  def decode(self, k_steps: int, active_B: np.ndarray, width: int = 0) -> Chunk:
+  def decode(self, k_steps: int, active_B: np.ndarray, width: int = 0, span: int = 0) -> Chunk:
     """Up to ``k_steps`` steps of every active slot (``active_B``; the others stop at once),
-    decoding the first ``width`` slots (one of ``widths``; 0: the least that holds them)."""
+    decoding the first ``width`` slots (one of ``widths``) over the first ``span`` bytes of
+    their caches (one of ``spans``); 0: the least that holds them."""
     active_B = np.asarray(active_B, bool)
     if not width:
       last = int(np.flatnonzero(active_B)[-1]) + 1 if active_B.any() else 1
       width = next(w for w in widths(self.batch) if w >= last)
+    if not span:  # the least cache that holds every active row after the chunk's steps
+      w = self.plan.width
+      need = int(np.max(self._lengths[active_B], initial=0)) + k_steps * w + 2 * w + 1
+      span = next(n for n in spans(self.length) if n >= need)
     args = (self.params, self.slots, active_B[:width])
-    fn = lambda *a: self._decode_fn(k_steps, width, *a)
-    exe = self._compiled(("decode", k_steps, width), fn, args, donate=(1,))
+    fn = lambda *a: self._decode_fn(k_steps, width, span, *a)
+    exe = self._compiled(("decode", k_steps, width, span), fn, args, donate=(1,))
     self.slots, out = exe(*args)
     d, a, done, n_cand, n_acc, steps = jax.device_get(out)
+    self._lengths[:width] += a.sum(axis=0)
     return Chunk(d, a, done, n_cand, n_acc, int(steps))
 
   def warm(self, k_steps: int):
-    """Compile ``admit`` for every prompt bucket and ``decode`` for every width (nothing is
-    decoded: the admitted rows are never activated)."""
+    """Compile ``admit`` for every prompt bucket and ``decode`` for every width and span
+    (nothing is decoded: the admitted rows are never activated)."""
     for b in buckets(self.context):
       ids = np.full((min(b, self.context - 1),), vocab.BYTE_OFFSET, np.int32)
       for m in ADMIT_ROWS:
         self._admit_rows(b, m, [(0, ids, RowParams(1))])
     for w in widths(self.batch):
-      self.decode(k_steps, np.zeros((self.batch,), bool), w)
+      for n in spans(self.length):
+        self.decode(k_steps, np.zeros((self.batch,), bool), w, n)
 
   @property
   def compiled(self) -> int:
