@@ -5,7 +5,7 @@ official ``openai`` client (streaming and not) and with raw HTTP for bad request
 
 Two servers of the session's tiny random LCA-MBP checkpoint: ``server`` (16 slots, a 512-byte
 context, warmed up) for answers, streaming, concurrency and disconnects; ``small`` (4 slots, a
-queue of 2, a 0.5 s request timeout, no warm-up, so a request that needs a compile outlives
+queue of 2, a 0.25 s request timeout, no warm-up, so a request that needs a compile outlives
 its timeout) for overload and timeouts.
 """
 
@@ -51,7 +51,7 @@ def servers(tiny_upstream_checkpoint):
   )
   small = ServerProcess(
     tiny_upstream_checkpoint,
-    ["--context", "64", "--max-batch", "4", "--max-queue", "2", "--request-timeout", "0.5"]
+    ["--context", "64", "--max-batch", "4", "--max-queue", "2", "--request-timeout", "0.25"]
     + ["--no-warmup", "--model-name", "tiny"],
   )
   try:
@@ -362,7 +362,7 @@ def test_overload_answers_429(small):
 
 
 def test_request_timeout_ends_cleanly(small):
-  """The first request of a mode compiles its programs (seconds), more than the 0.5 s timeout:
+  """The first request of a mode compiles its programs (seconds), more than the 0.25 s timeout:
   a 504 error (non-streaming) or an error event then [DONE] (streaming); the server stays up."""
   body = {"prompt": "hello", "max_tokens": 20, "temperature": 0, "mode": "verify"}
   r = httpx.post(small.url + "/v1/completions", json=body, timeout=60)

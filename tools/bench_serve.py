@@ -16,9 +16,9 @@ server up (not timed). Per client count: requests/s and bytes/s (all clients tog
 the wall time of the round), p50 / p99 time to first byte (request sent to the first text
 event) and per-byte latency ((last event - first event) / (bytes - 1) of each request), plus
 the errors, and ``client_cpu_s``: the CPU time of this tool's own clients in the round (they
-share the machine with the server); at the end ``bytes_per_s_ratio``: bytes/s at the largest client count over bytes/s
-at the smallest. Bounded: at most ``MAX_CLIENTS`` clients and ``MAX_REQUESTS`` requests per
-round. Bad input: an argparse error (exit status 2).
+share the machine with the server); at the end ``bytes_per_s_ratio``: bytes/s at the largest
+client count over bytes/s at the smallest. Bounded: at most ``MAX_CLIENTS`` clients and
+``MAX_REQUESTS`` requests per round. Bad input: an argparse error (exit status 2).
 """
 
 from __future__ import annotations
