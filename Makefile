@@ -8,7 +8,7 @@ DEMO_CONFIG ?= configs/demo.py
 DEMO_STEPS ?= 800
 DEMO_SAMPLE_ARGS ?=
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench clean gpu-aot
 
 venv: $(STAMP)
 
@@ -39,5 +39,27 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Compiles every production program for H100 / H200 / B200 GPUs on this host, without a GPU
+# (lca_jax/aot, tools/gpu_aot.py): installs jax's CUDA plugin of the pinned jax into a separate
+# .venv-cuda that reads every other package from .venv (the default venv never gets it), runs
+# the tests that need the plugin, then prints the JSON report (also in GPU_AOT_OUT).
+VENV_CUDA := .venv-cuda
+CUDA_STAMP := $(VENV_CUDA)/.installed
+JAX_VERSION := $(shell sed -n 's/^jax==//p' requirements.txt)
+GPU_AOT_OUT ?= workdirs/gpu_aot.json
+GPU_AOT_ARGS ?=
+
+$(CUDA_STAMP): $(STAMP)
+	$(PY) -m venv $(VENV_CUDA)
+	$(VENV_CUDA)/bin/python -c "import site, sys; open(site.getsitepackages()[0] + '/lca_jax_main_venv.pth', 'w').write(sys.argv[1] + '\n')" "$$($(VPY) -c 'import site; print(site.getsitepackages()[0])')"
+	$(VENV_CUDA)/bin/python -m pip install -q --no-deps jax-cuda12-plugin==$(JAX_VERSION) jax-cuda12-pjrt==$(JAX_VERSION)
+	$(VENV_CUDA)/bin/python -m pip install -q --no-deps -e .
+	touch $(CUDA_STAMP)
+
+gpu-aot: $(CUDA_STAMP)
+	JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 $(VENV_CUDA)/bin/python -m pytest -q tests/test_aot.py; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	mkdir -p $(dir $(GPU_AOT_OUT))
+	$(VENV_CUDA)/bin/python tools/gpu_aot.py --out $(GPU_AOT_OUT) $(GPU_AOT_ARGS)
+
 clean:
-	rm -rf $(VENV) workdirs
+	rm -rf $(VENV) $(VENV_CUDA) workdirs

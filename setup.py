@@ -13,7 +13,7 @@ setup(
   long_description_content_type="text/markdown",
   python_requires=">=3.10",
   packages=find_packages(include=["lca_jax", "lca_jax.*"]),
-  package_data={"lca_jax": ["data/corpus/*"]},
+  package_data={"lca_jax": ["data/corpus/*", "aot/targets/*.txtpb"]},
   install_requires=[
     "jax>=0.9,<0.12",
     "flax>=0.12,<0.13",

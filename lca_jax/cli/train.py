@@ -1,6 +1,7 @@
 """lca-train: pretrain / fine-tune a model from a config file.
 
     lca-train --config configs/tiny_lca_mbp.py --workdir workdirs/demo [--config.train.steps=600 ...]
+    lca-train --config configs/lca_mbp.py --aot h100:8    # will it fit on 8 H100s? (no GPU needed)
 
 A work directory that already holds a checkpoint is resumed from its latest one. SIGTERM
 checkpoints and exits 0, Ctrl-C (SIGINT) checkpoints and exits 130 (a second Ctrl-C quits at
@@ -20,12 +21,13 @@ launch/. A process of a multi-process run that dies makes the others exit (statu
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 from lca_jax import configs_io, hostmem
 from lca_jax.cli.common import one_line_warnings
-from lca_jax.errors import LoadError
+from lca_jax.errors import LcaError, LoadError
 from lca_jax.model.config import ConfigError
 from lca_jax.train.errors import NonFiniteLossError, TrainError
 
@@ -55,7 +57,17 @@ def _parser() -> argparse.ArgumentParser:
     epilog="Config overrides: --config.SECTION.KEY=VALUE (e.g. --config.train.steps=600).",
   )
   parser.add_argument("--config", required=True, help="config file, e.g. configs/lca_mbp.py")
-  parser.add_argument("--workdir", required=True, help="checkpoints, metrics and logs go here")
+  parser.add_argument("--workdir", default="", help="checkpoints, metrics and logs go here")
+  parser.add_argument(
+    "--aot",
+    default="",
+    metavar="GPU[:N]",
+    help="do not train: compile the train and eval steps for N GPUs of a kind (h100, h200, "
+    "b200) on this host, without a GPU, and print what each needs per GPU (memory against the "
+    "GPU's, compile time, kernels); exit status 1 when one does not fit. Needs jax's CUDA "
+    "plugin (make gpu-aot)",
+  )
+  parser.add_argument("--json", action="store_true", help="with --aot: print the reports as JSON")
   dist = parser.add_argument_group(
     "multi-process",
     "values default to JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
@@ -168,10 +180,38 @@ def _summary(result) -> str:
   return msg + f" ({result.workdir})"
 
 
+def _aot(args, rest) -> int:
+  """``--aot GPU[:N]``: the run's train and eval steps compiled for that target, reported."""
+  os.environ["JAX_PLATFORMS"] = "cpu"  # compile for the GPUs named; start no GPU client
+  from lca_jax.aot import check, targets, text  # pylint: disable=g-import-not-at-top
+
+  try:
+    config = configs_io.load_config(args.config)
+    configs_io.apply_overrides(config, configs_io.split_overrides(rest))
+    target = targets.parse(args.aot)
+    targets.require_plugin()
+    reports = check.train_reports(config, target)
+  except (LcaError, ValueError) as e:
+    return _fail(str(e))
+  if args.json:
+    print(json.dumps(reports, indent=1))
+  else:
+    print(f"lca-train --aot {target}: {args.config}")
+    print(text.header(reports[0]))
+    for r in reports:
+      print("\n".join(text.program_lines(r)))
+  return 0 if all(r["memory"]["fits"] for r in reports) else 1
+
+
 def main(argv=None) -> int:
+  args, rest = _parser().parse_known_args(argv)
+  if args.aot:
+    one_line_warnings("lca-train")
+    return _aot(args, rest)
   if argv is None:  # run as a program: large host buffers on huge pages (lca_jax/hostmem.py)
     hostmem.use_huge_pages()
-  args, rest = _parser().parse_known_args(argv)
+  if not args.workdir:
+    return _fail("the following arguments are required: --workdir (or --aot GPU[:N])")
   one_line_warnings("lca-train")
   # deferred: jax, then (once the config is valid) flax, orbax, grain and the training loop take
   # seconds to import, which --help and usage errors skip

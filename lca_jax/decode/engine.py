@@ -255,10 +255,10 @@ def _run(cfgs, plan: Plan, length: int, emit, params, prompt_BP, plen_B, key, ta
   )
 
 
-def _compile(lowered):
-  """``lowered.compile`` with the XLA:CPU options of ``lca_jax/xla_options.py`` on CPU (dots
-  of a few rows through Eigen rather than YNNPACK)."""
-  opts = xla_options.cpu_options()
+def compile_lowered(lowered):
+  """``lowered.compile`` with the decode options of ``lca_jax/xla_options.py``: on the CPU dots
+  of a few rows through Eigen rather than YNNPACK, on a GPU the decode loop as one CUDA graph."""
+  opts = xla_options.decode_options()
   return lowered.compile(compiler_options=opts) if opts else lowered.compile()
 
 
@@ -312,7 +312,7 @@ def _compiled(cfgs, plan, length, args) -> _Executable:
     sink = _Sink()
     emit = sink.emit if plan.stream else None
     fn = jax.jit(lambda *a: _run(cfgs, plan, length, emit, *a))
-    exe = _compile(fn.lower(*args))
+    exe = compile_lowered(fn.lower(*args))
     return _Executable(exe, time.perf_counter() - t0, sink)
 
   return _EXECUTABLES.get((cfgs, plan, length, shapes), build)
@@ -538,6 +538,40 @@ class _Request:
   budget: int  # max_bytes capped by the context: what each row may generate
 
 
+def _layout(cfg, dcfg, opts: dict, longest: int, ignore_eos, stream, fuse_projections):
+  """(plan, cache length, byte budget, padded prompt length) of a call whose longest prompt
+  has ``longest`` ids, with the options of ``check_options``."""
+  mode, n, requested = opts["mode"], opts["n"], opts["max_bytes"]
+  policy = POLICIES[mode]
+  source = ""
+  if policy.multi_byte:
+    source = "mlp" if (dcfg or cfg).n_mlp_mbp else "lca"
+  limit = min(cfg.max_seq_len, (dcfg or cfg).max_seq_len)
+  budget = byte_budget(requested, longest, limit)
+  room = -(-requested // opts["budget_pad_to"]) * opts["budget_pad_to"]  # the program's budget
+  plan = Plan(
+    mode,
+    n if policy.multi_byte else 1,
+    opts["temperature"] == 0,
+    bool(ignore_eos),
+    byte_budget(room, longest, limit),
+    source,
+    stream=stream,
+    fuse_projections=bool(fuse_projections),
+  )
+  pad_to = opts["pad_to"]
+  p_len = -(-longest // pad_to) * pad_to
+  return plan, cache_length(longest, room, plan.width, limit, pad_to), budget, p_len
+
+
+def _sampling(opts: dict) -> SamplingParams:
+  return SamplingParams(
+    jnp.float32(max(opts["temperature"], 1e-6)),
+    jnp.int32(opts["top_k"]),
+    jnp.float32(opts["top_p"]),
+  )
+
+
 def _request(
   model, prompts, ignore_eos=False, drafter=None, stream=False, fuse_projections=True, **options
 ) -> _Request:
@@ -545,38 +579,18 @@ def _request(
   arguments of one call. ``fuse_projections=False``: the separate q/k/v and gate/up dots
   (``Plan.fuse_projections``; for tests and measurements)."""
   opts = check_options(**options)
-  mode, tau, n, requested = opts["mode"], opts["tau"], opts["n"], opts["max_bytes"]
-  temperature, top_k, top_p = opts["temperature"], opts["top_k"], opts["top_p"]
-  seed, pad_to, budget_pad_to = opts["seed"], opts["pad_to"], opts["budget_pad_to"]
   enc = _encode_prompts(prompts)
-  _validate(model, mode, n, drafter, enc)
+  _validate(model, opts["mode"], opts["n"], drafter, enc)
   cfg = model.cfg
-  policy = POLICIES[mode]
-  dcfg = drafter.cfg if policy.uses_drafter else None
-  source = ""
-  if policy.multi_byte:
-    source = "mlp" if (dcfg or cfg).n_mlp_mbp else "lca"
+  dcfg = drafter.cfg if POLICIES[opts["mode"]].uses_drafter else None
   longest = max(p.size for p in enc)
-  limit = min(cfg.max_seq_len, (dcfg or cfg).max_seq_len)
-  budget = byte_budget(requested, longest, limit)
-  room = -(-requested // budget_pad_to) * budget_pad_to  # the budget the program is built for
-  plan = Plan(
-    mode,
-    n if policy.multi_byte else 1,
-    temperature == 0,
-    bool(ignore_eos),
-    byte_budget(room, longest, limit),
-    source,
-    stream=stream,
-    fuse_projections=bool(fuse_projections),
+  plan, length, budget, p_len = _layout(
+    cfg, dcfg, opts, longest, ignore_eos, stream, fuse_projections
   )
-  p_len = -(-longest // pad_to) * pad_to
-  length = cache_length(longest, room, plan.width, limit, pad_to)
   prompt = np.zeros((len(enc), p_len), np.int32)
   for i, p in enumerate(enc):
     prompt[i, : p.size] = p
   plen = np.array([p.size for p in enc], np.int32)
-  sp = SamplingParams(jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p))
   params = (
     _params_of(model, plan),
     _params_of(drafter, plan) if dcfg is not None else None,
@@ -585,12 +599,40 @@ def _request(
     params,
     jnp.asarray(prompt),
     jnp.asarray(plen),
-    jax.random.PRNGKey(seed),
-    jnp.float32(tau),
+    jax.random.PRNGKey(opts["seed"]),
+    jnp.float32(opts["tau"]),
     jnp.int32(budget),
-    sp,
+    _sampling(opts),
   )
-  return _Request((cfg, dcfg), plan, length, args, enc, requested, budget)
+  return _Request((cfg, dcfg), plan, length, args, enc, opts["max_bytes"], budget)
+
+
+def lower_abstract(cfg: ModelConfig, params, batch: int, prompt_len: int, sharding, **options):
+  """The decode program ``generate`` runs for ``batch`` prompts of ``prompt_len`` bytes on a
+  model of config ``cfg``, lowered from abstract arguments (nothing is allocated or run):
+  ``params`` is a tree of ``jax.ShapeDtypeStruct`` (the model's params, or the tree of
+  ``layers.decode_weights`` an ``api.Model`` passes), ``sharding`` where every argument lives
+  (a device of another platform for a deviceless compile, see ``lca_jax.aot``); ``options``
+  those of ``check_options`` (not the drafter mode). Returns jax's ``Lowered``."""
+  opts = check_options(**options)
+  if POLICIES[opts["mode"]].uses_drafter:
+    raise DecodeError(f"mode {opts['mode']!r} needs a drafter model; lower it with generate()")
+  if prompt_len < 1 or prompt_len >= cfg.max_seq_len:
+    raise DecodeError(f"prompt_len must be in [1, {cfg.max_seq_len}), got {prompt_len}")
+  plan, length, _, p_len = _layout(cfg, None, opts, prompt_len, False, False, True)
+  key = jax.random.PRNGKey(opts["seed"])
+  concrete = (
+    np.zeros((batch, p_len), np.int32),
+    np.full((batch,), prompt_len, np.int32),
+    key,
+    jnp.float32(opts["tau"]),
+    jnp.int32(0),
+    _sampling(opts),
+  )
+  spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+  args = jax.tree_util.tree_map(spec, ((params, None),) + concrete)
+  fn = jax.jit(lambda *a: _run((cfg, None), plan, length, None, *a))
+  return fn.lower(*args)
 
 
 def _stop_reason(g: np.ndarray, plan: Plan, budget: int, requested: int) -> str:

@@ -61,7 +61,7 @@ def result_bytes(instr: str) -> int:
   return int(np.prod(dims, dtype=np.int64)) * itemsize if dims else itemsize
 
 
-def _called(instr: str, into_fusions: bool = False) -> List[str]:
+def called(instr: str, into_fusions: bool = False) -> List[str]:
   """Computations an instruction runs (fusion bodies only with ``into_fusions``: for counting,
   a fusion is one op)."""
   names = []
@@ -92,7 +92,7 @@ def decode_loop_body(hlo_text: str) -> str:
       if op_name(instr) == "while":
         bodies.append(re.search(r"\bbody=(%?[\w.\-]+)", instr).group(1))
       if op_name(instr) == "call":
-        todo += _called(instr)
+        todo += called(instr)
   if not bodies:
     raise ValueError("no while loop reachable from the entry computation")
   return max(bodies, key=lambda body: sum(1 for _ in _instructions_under(comps, body)))
@@ -108,7 +108,7 @@ def _instructions_under(comps, root: str, into_fusions: bool = False):
       continue
     seen.add(name)
     for instr in comps[name]:
-      todo += _called(instr, into_fusions)
+      todo += called(instr, into_fusions)
       yield instr
 
 
@@ -148,11 +148,11 @@ def _most_run(comps, name: str, memo: dict) -> np.ndarray:
     if op in FREE_OPS or not op:
       continue
     total += (1, op == "dot", op == "fusion")
-    called = [_most_run(comps, c, memo) for c in _called(instr)]
-    if op == "conditional" and called:
-      total += max(called, key=lambda c: c[0])
+    runs = [_most_run(comps, c, memo) for c in called(instr)]
+    if op == "conditional" and runs:
+      total += max(runs, key=lambda c: c[0])
     else:
-      total += sum(called, np.zeros(3, np.int64))
+      total += sum(runs, np.zeros(3, np.int64))
   return total
 
 

@@ -11,12 +11,12 @@ methods (``encode``, ``decide``, ``latent``, ``next_byte``, ``lca_head``, ``stac
 from __future__ import annotations
 
 import functools
-import os
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lca_jax import backend
 from lca_jax.kernels import lca_attention
 from lca_jax.model import boundaries as bnd
 from lca_jax.model import masks, pooling
@@ -40,7 +40,7 @@ class MLPHead(nn.Module):
 
 
 def _pallas_kernel(group_BT, doc_BT):
-  interpret = jax.default_backend() == "cpu"
+  interpret = backend.is_cpu()
   return functools.partial(
     lca_attention, segment_ids=group_BT, doc_ids=doc_BT, impl="pallas", interpret=interpret
   )
@@ -107,7 +107,7 @@ class ByteLM(nn.Module):
     else:
       lo = masks.causal_key_start(doc_BT)
       bq, bk = c.causal_blocks(lo.shape[1])
-    parallel = c.attn_parallel or (os.cpu_count() or 1 if jax.default_backend() == "cpu" else 1)
+    parallel = c.attn_parallel or backend.cpu_threads()
     return None, functools.partial(
       blockwise_attention, lo_BT=lo, block_q=bq, block_k=bk, parallel=parallel
     )

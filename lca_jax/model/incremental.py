@@ -28,6 +28,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from lca_jax import backend
 from lca_jax.model import boundaries as bnd
 from lca_jax.model import masks, pooling
 from lca_jax.model.config import ModelConfig
@@ -228,7 +229,7 @@ def _latents(
 
   # one branch per (slots run over, cache slots read): the smallest of each that holds every
   # row's new groups and every row's earlier slots; a fresh LM cache holds the null group only
-  widths = lm_widths(k, jax.default_backend())
+  widths = lm_widths(k, backend.platform())
   reads = (1,) if fresh else lm_reads(cfg, b, state.z.shape[1])
   n_new = cum[:, -1].max()
   i_width = jnp.sum(jnp.asarray(widths) < n_new)

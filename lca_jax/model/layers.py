@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lca_jax import backend
 from lca_jax.model import rows
 from lca_jax.model.activations import swiglu
 
@@ -261,7 +262,7 @@ MATVEC_CACHE_COLUMNS = 8
 
 
 def _matvec_cache_products(g: int, t: int) -> bool:
-  return jax.default_backend() == "cpu" and 1 < g * t <= MATVEC_CACHE_COLUMNS
+  return backend.is_cpu() and 1 < g * t <= MATVEC_CACHE_COLUMNS
 
 
 def _column_matvecs(cache_BKMN, vecs_BKGTN):

@@ -1,0 +1,257 @@
+"""What a compiled GPU program needs, read from XLA without running it.
+
+``summarize(program, compiled, device_bytes)`` gives one JSON-ready dict: memory per device
+(``memory_analysis``: arguments, outputs, the outputs that alias donated arguments,
+temporaries) against the device's memory, the fusions XLA formed by kind, the Triton GEMM
+fusions (each distinct one is autotuned when a GPU compiles the program), the custom calls by
+target (cuBLAS, cuDNN, Triton kernels from Pallas), the buffers with two dimensions of at least
+the sequence length, and, for a program with a decode loop, the kernels one step launches.
+
+A kernel launch costs the GPU a few microseconds whatever it does; a decode step of K kernels
+cannot run faster than K x ``LAUNCH_US``, which bounds batch-1 decoding to
+``1 / (K x LAUNCH_US)`` steps per second unless the step is replayed as one CUDA graph.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Dict, List, Optional
+
+from lca_jax.decode import hlo_stats
+
+GB = 1e9
+LAUNCH_US = 3.0  # per kernel launch, the order of a CUDA launch + its gap on an H100
+# ops that launch no kernel of their own: aliases, tuple plumbing, literals, control flow
+# (whose bodies are counted), scheduling markers
+NO_KERNEL = hlo_stats.FREE_OPS | hlo_stats.CONTROL_OPS | {"after-all", "opt-barrier", "domain"}
+_FUSION_KIND = re.compile(r"\bkind=(k\w+)")
+_BACKEND_KIND = re.compile(r'"kind":"(__[\w$.]+)"')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_CALLS = re.compile(r"\bcalls=(%?[\w.\-]+)")
+_METADATA_OP = re.compile(r'op_name="([^"]*)"')
+# name scopes of the attention code in an op's source path (model/layers.py, kernels/): a
+# buffer with two dimensions >= T made there is a dense score or mask matrix
+ATTENTION_SCOPES = ("attn", "lca_attention", "blockwise_attention")
+_PROJECTION = re.compile(r"/\w*_proj/")  # the projections in and out of an attention
+
+
+def memory(compiled, device_bytes: int, state_bytes: int) -> dict:
+  """Per-device bytes of ``compiled`` (``memory_analysis``) in GB, and whether they fit."""
+  m = compiled.memory_analysis()
+  total = (
+    m.argument_size_in_bytes
+    + m.output_size_in_bytes
+    - m.alias_size_in_bytes
+    + m.temp_size_in_bytes
+    + m.generated_code_size_in_bytes
+  )
+  fits = total <= device_bytes
+  margin = (device_bytes - total) / GB
+  return dict(
+    state_gb=round(state_bytes / GB, 3),
+    argument_gb=round(m.argument_size_in_bytes / GB, 3),
+    output_gb=round(m.output_size_in_bytes / GB, 3),
+    alias_gb=round(m.alias_size_in_bytes / GB, 3),
+    temp_gb=round(m.temp_size_in_bytes / GB, 3),
+    total_gb=round(total / GB, 3),
+    device_gb=round(device_bytes / GB, 3),
+    fits=fits,
+    verdict="fits" if fits else f"does not fit by {-margin:.2f} GB",
+    margin_gb=round(margin, 3),
+  )
+
+
+def _fusion_bodies(comps: Dict[str, List[str]]) -> set:
+  """Names of the computations that are fusion bodies (their values live in registers)."""
+  out = set()
+  for instrs in comps.values():
+    for instr in instrs:
+      if hlo_stats.op_name(instr) == "fusion":
+        m = _CALLS.search(instr)
+        if m:
+          out.add(m.group(1))
+  return out
+
+
+def _body_text(comps, name: str) -> str:
+  """A fusion body without instruction names, metadata and backend config: equal texts are one
+  autotuning problem."""
+  lines = []
+  for instr in comps.get(name, []):
+    rhs = instr.split(" = ", 1)[-1]
+    rhs = re.sub(r",\s*(metadata|backend_config)=.*$", "", rhs)
+    lines.append(re.sub(r"%[\w.\-]+", "%", rhs))
+  return "\n".join(lines)
+
+
+def hlo_summary(hlo_text: str, seq_len: int) -> dict:
+  """Fusions, GEMM fusions, custom calls, loops and large buffers of an optimized GPU HLO.
+
+  ``large_buffers``: every buffer with two dimensions >= ``seq_len`` (fusion outputs and other
+  materialized results, not values inside a fusion), with the source it comes from;
+  ``attention_buffers_TT`` counts those made inside the attention code (a dense [T, T] score or
+  mask matrix). Activations whose width is >= T show up too (an MLP of width 4096 at T 4096)."""
+  comps = hlo_stats.computations(hlo_text)
+  bodies = _fusion_bodies(comps)
+  fusion_kinds: collections.Counter = collections.Counter()
+  backend_kinds: collections.Counter = collections.Counter()
+  targets: collections.Counter = collections.Counter()
+  gemm_bodies = set()
+  loops = conditionals = 0
+  large: collections.Counter = collections.Counter()
+  for name, instrs in comps.items():
+    if name == "ENTRY":
+      continue
+    top = name not in bodies
+    for instr in instrs:
+      op = hlo_stats.op_name(instr)
+      if op == "fusion" and top:
+        fusion_kinds[_FUSION_KIND.search(instr).group(1)] += 1
+        bk = _BACKEND_KIND.search(instr)
+        if bk:
+          backend_kinds[bk.group(1)] += 1
+          if "gemm" in bk.group(1):
+            gemm_bodies.add(_body_text(comps, _CALLS.search(instr).group(1)))
+      elif op == "custom-call":
+        m = _TARGET.search(instr)
+        targets[m.group(1) if m else "?"] += 1
+      loops += op == "while" and top
+      conditionals += op == "conditional" and top
+      dims = hlo_stats.result_dims(instr)
+      if top and op not in NO_KERNEL and sum(d >= seq_len for d in dims) >= 2:
+        shape = hlo_stats._SHAPE.search(instr).group(0)[1:].strip()
+        src = _METADATA_OP.search(instr)
+        path = src.group(1) if src else ""
+        attention = any(f"/{k}" in path for k in ATTENTION_SCOPES) and not _PROJECTION.search(path)
+        large[(shape, op, "/".join(path.split("/")[-3:]), attention)] += 1
+  return dict(
+    hlo_lines=hlo_text.count("\n"),
+    fusions=dict(total=sum(fusion_kinds.values()), **dict(sorted(fusion_kinds.items()))),
+    fusion_backends=dict(sorted(backend_kinds.items())),
+    gemm_fusions=dict(
+      total=sum(v for k, v in backend_kinds.items() if "gemm" in k), distinct=len(gemm_bodies)
+    ),
+    custom_calls=dict(sorted(targets.items())),
+    while_loops=loops,
+    conditionals=conditionals,
+    large_buffers=[
+      dict(shape=s, op=op, source=src, attention=att, count=n)
+      for (s, op, src, att), n in sorted(large.items(), key=lambda kv: -kv[1])
+    ],
+    attention_buffers_TT=sum(n for (_, _, _, att), n in large.items() if att),
+  )
+
+
+@dataclasses.dataclass
+class Thunk:
+  """One entry of XLA:GPU's thunk sequence: a kernel, copy, library call, or a container
+  (command buffer, while loop, conditional) whose children are listed under labels (None for
+  a command buffer's, 'condition' / 'body' for a loop's, 'branch_N' for a conditional's)."""
+
+  kind: str
+  indent: int
+  children: Dict[Optional[str], List["Thunk"]] = dataclasses.field(default_factory=dict)
+  label: Optional[str] = None  # where the next child goes
+
+  def add(self, child: "Thunk"):
+    self.children.setdefault(self.label, []).append(child)
+
+
+_THUNK = re.compile(r"^(\s*)\d+: (k\w+)")
+_LABEL = re.compile(r"^(\s*)(condition|body|branch_\d+):\s*$")
+
+
+def parse_thunks(text: str) -> Thunk:
+  """The thunk sequence XLA:GPU dumps (``*.thunk_sequence_after_thunk_passes.txt``) as a tree
+  under a root 'kSequence' thunk; indentation gives the nesting."""
+  root = Thunk("kSequence", -1)
+  stack = [root]
+  for line in text.splitlines():
+    m = _THUNK.match(line)
+    if m:
+      indent = len(m.group(1))
+      while stack[-1].indent >= indent:
+        stack.pop()
+      node = Thunk(m.group(2), indent)
+      stack[-1].add(node)
+      stack.append(node)
+      continue
+    m = _LABEL.match(line)
+    if m:
+      indent = len(m.group(1))
+      # a loop's 'condition:' is printed at column 0 however deep the loop is: it follows
+      # the loop's own line
+      while stack[-1].indent > indent and not (
+        m.group(2) == "condition" and stack[-1].kind == "kWhile"
+      ):
+        stack.pop()
+      stack[-1].label = m.group(2)
+  return root
+
+
+def _kernels(t: Thunk) -> int:
+  """Device work items one run of ``t`` executes (kernels, copies, library calls): a
+  conditional's largest branch, a loop's condition and body once."""
+  if not t.children:
+    return 0 if t.kind in ("kCommandBuffer", "kSequence") else 1
+  if t.kind == "kConditional":
+    return max(sum(map(_kernels, c)) for c in t.children.values())
+  return sum(_kernels(c) for kids in t.children.values() for c in kids)
+
+
+def _host_work(t: Thunk) -> tuple:
+  """(launches, syncs) the host makes for one run of ``t``: a command buffer is one graph
+  launch, a loop reads its predicate back after each condition (a sync), a conditional outside
+  a graph reads its branch index (a sync) and runs its largest branch."""
+  if t.kind == "kCommandBuffer":
+    return 1, 0
+  if t.kind == "kConditional":
+    runs = [tuple(map(sum, zip(*map(_host_work, c)))) or (0, 0) for c in t.children.values()]
+    launches, syncs = max(runs)
+    return launches, syncs + 1
+  if t.kind == "kWhile":
+    (cl, cs), (bl, bs) = (
+      tuple(map(sum, zip(*map(_host_work, t.children.get(k, []))))) or (0, 0)
+      for k in ("condition", "body")
+    )
+    return cl + bl, cs + bs + 1
+  if t.children:
+    return tuple(map(sum, zip(*map(_host_work, sum(t.children.values(), []))))) or (0, 0)
+  return 1, 0
+
+
+def _loops(t: Thunk, in_graph: bool = False):
+  """Every while loop under ``t``, with whether it runs inside a command buffer."""
+  for kids in t.children.values():
+    for c in kids:
+      if c.kind == "kWhile":
+        yield c, in_graph
+      yield from _loops(c, in_graph or c.kind == "kCommandBuffer")
+
+
+def decode_step(thunk_text: str, bytes_per_step: float) -> dict:
+  """What one step of the decode loop (the while loop that runs the most kernels) costs in
+  launches: device kernels per step (each ~``LAUNCH_US`` when launched one by one), the host's
+  launches and syncs per step (none when the whole loop is inside a command buffer: XLA runs
+  it as one CUDA graph with device-side conditionals), and the bytes per second each bound
+  allows at ``bytes_per_step`` bytes a step."""
+  loops = list(_loops(parse_thunks(thunk_text)))
+  if not loops:
+    raise ValueError("no while loop in the thunk sequence")
+  loop, in_graph = max(loops, key=lambda lt: _kernels(lt[0]))
+  body = loop.children.get("body", [])
+  kernels = _kernels(loop)
+  launches, syncs = (0, 0) if in_graph else _host_work(loop)
+  bound = lambda n: round(bytes_per_step / (n * LAUNCH_US * 1e-6), 1) if n else None
+  return dict(
+    kernels=kernels,
+    body_is_one_graph=len(body) == 1 and body[0].kind == "kCommandBuffer",
+    loop_in_graph=in_graph,
+    host_launches=launches,
+    host_syncs=syncs,
+    launch_us=LAUNCH_US,
+    kernel_bound_bytes_per_s=bound(kernels),
+    host_bound_bytes_per_s=bound(launches),
+  )

@@ -1,0 +1,252 @@
+"""Deviceless GPU compilation (lca_jax/aot, `lca-train --aot`, tools/gpu_aot.py).
+
+The tests of the report's parsers, the targets and the error paths run everywhere; those that
+compile for a GPU need jax's CUDA plugin and skip without it (`make gpu-aot` installs it into
+.venv-cuda and runs this file there):
+
+    JAX_PLATFORMS=cpu .venv-cuda/bin/python -m pytest -q tests/test_aot.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from lca_jax import backend, xla_options
+from lca_jax.aot import report, targets
+from lca_jax.model import incremental, layers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "gpu_aot.py")
+TINY = os.path.join(ROOT, "configs", "tiny_lca_mbp.py")
+HAS_PLUGIN = targets.plugin_available()
+needs_plugin = pytest.mark.skipif(
+  not HAS_PLUGIN, reason="jax's CUDA plugin is not installed (make gpu-aot runs these)"
+)
+no_plugin = pytest.mark.skipif(HAS_PLUGIN, reason="the CUDA plugin is installed here")
+
+
+def _run(args, **env):
+  return subprocess.run(
+    [sys.executable] + args,
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, **env),
+    timeout=600,
+  )
+
+
+# ---- targets -----------------------------------------------------------------------------
+def test_targets_parse_names_and_counts():
+  assert targets.parse("h100") == targets.Target("h100", 1)
+  assert targets.parse("H200:8") == targets.Target("h200", 8)
+  for bad in ("a100", "h100:0", "h100:x", "h100:-2", ""):
+    with pytest.raises(targets.AotError):
+      targets.parse(bad)
+
+
+def test_target_configs_describe_the_devices():
+  h100, h200, b200 = (targets.Target(n, 1) for n in ("h100", "h200", "b200"))
+  assert h100.device_name == "NVIDIA H100 80GB HBM3" and 80e9 < h100.memory_bytes < 90e9
+  assert 140e9 < h200.memory_bytes < 160e9 and 180e9 < b200.memory_bytes < 200e9
+  assert "B200" in b200.device_name
+
+
+# ---- the platform a program is traced for ------------------------------------------------
+def test_backend_target_switches_the_cpu_choices():
+  assert backend.platform() == "cpu" and backend.is_cpu()
+  assert xla_options.decode_options() == xla_options.cpu_options()
+  with backend.target("gpu"):
+    assert backend.platform() == "gpu" and backend.cpu_threads() == 1
+    assert not layers._matvec_cache_products(2, 1)  # pylint: disable=protected-access
+    assert incremental.lm_widths(1024, backend.platform()) == (1024,)
+    assert xla_options.decode_options() == xla_options.GPU_OPTIONS
+    os.environ["LCA_JAX_GPU_GRAPHS"] = "0"
+    try:
+      assert xla_options.decode_options() is None
+    finally:
+      del os.environ["LCA_JAX_GPU_GRAPHS"]
+  assert backend.platform() == "cpu"
+  with pytest.raises(ValueError):
+    with backend.target("gpu0"):
+      pass
+
+
+# ---- report: memory, HLO, thunk sequences ------------------------------------------------
+class _Stats:
+  def __init__(self, arg, out, alias, temp):
+    self.argument_size_in_bytes, self.output_size_in_bytes = arg, out
+    self.alias_size_in_bytes, self.temp_size_in_bytes = alias, temp
+    self.generated_code_size_in_bytes = 0
+
+
+class _Compiled:
+  def __init__(self, stats):
+    self.stats = stats
+
+  def memory_analysis(self):
+    return self.stats
+
+
+def test_memory_counts_donated_outputs_once_and_says_by_how_much_it_misses():
+  m = report.memory(_Compiled(_Stats(10e9, 10e9, 9.5e9, 60e9)), int(80e9), int(9e9))
+  assert m["total_gb"] == pytest.approx(70.5) and m["fits"] and m["verdict"] == "fits"
+  m = report.memory(_Compiled(_Stats(10e9, 10e9, 10e9, 75e9)), int(80e9), int(9e9))
+  assert not m["fits"] and m["verdict"] == "does not fit by 5.00 GB"
+
+
+def test_hlo_summary_finds_a_dense_attention_matrix():
+  t = 256
+
+  def f(q, k):
+    with jax.named_scope("attn"):
+      s = jnp.einsum("td,sd->ts", q, k)
+      return jnp.sum(jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)) @ k)
+
+  x = jnp.ones((t, 16), jnp.float32)
+  text = jax.jit(f).lower(x, x).compile().as_text()
+  s = report.hlo_summary(text, t)
+  assert s["attention_buffers_TT"] >= 1
+  assert any(b["attention"] and "256,256" in b["shape"] for b in s["large_buffers"])
+  assert report.hlo_summary(text, t + 1)["large_buffers"] == []
+
+
+LOOP_ON_HOST = """\
+000: kCommandBuffer      [source       | next=002 (1) ]
+    001: kCustomKernel [source | sink] prefill_fusion grid: [1, 1, 1]
+002: kWhile              [prev=000 (1) | next=009 (1)]
+condition:
+    003: kCustomKernel [source | sink] loop_and_fusion grid: [1, 1, 1]
+  body:
+    000: kCommandBuffer [source | sink]
+        004: kCustomKernel [source | next=005 (1)] a grid: [1, 1, 1]
+        005: kCopy         [prev=004 (1) | sink] kCopy
+        006: kConditional  [source | sink]
+          branch_0:
+            007: kCustomKernel [source | sink] idle grid: [1, 1, 1]
+          branch_1:
+            007: kCustomKernel [source | next=008 (1)] lm_a grid: [1, 1, 1]
+            008: kCustomKernel [prev=007 (1) | sink] lm_b grid: [1, 1, 1]
+009: kCustomKernel       [prev=002 (1) | sink] tail grid: [1, 1, 1]
+"""
+
+LOOP_IN_GRAPH = """\
+000: kCommandBuffer      [source       | sink ]
+    001: kCustomKernel [source | next=002 (1)] prefill_fusion grid: [1, 1, 1]
+    002: kWhile        [prev=001 (1) | sink]
+condition:
+        003: kCustomKernel [source | sink] loop_and_fusion grid: [1, 1, 1]
+      body:
+        004: kCustomKernel [source | next=005 (1)] a grid: [1, 1, 1]
+        005: kConditional  [source | sink]
+          branch_0:
+            006: kCustomKernel [source | sink] b grid: [1, 1, 1]
+"""
+
+
+def test_decode_step_counts_kernels_launches_and_syncs():
+  s = report.decode_step(LOOP_ON_HOST, 2)
+  # condition 1 + body: kernel, copy, the larger branch (2)
+  assert s["kernels"] == 5 and s["body_is_one_graph"] and not s["loop_in_graph"]
+  assert (s["host_launches"], s["host_syncs"]) == (2, 1)  # condition kernel + body graph
+  assert s["kernel_bound_bytes_per_s"] == pytest.approx(2 / (5 * report.LAUNCH_US * 1e-6), 1e-3)
+  g = report.decode_step(LOOP_IN_GRAPH, 1)
+  assert g["kernels"] == 3 and g["loop_in_graph"]
+  assert (g["host_launches"], g["host_syncs"]) == (0, 0) and g["host_bound_bytes_per_s"] is None
+  with pytest.raises(ValueError):
+    report.decode_step("000: kCustomKernel [source | sink] x\n", 1)
+
+
+# ---- error paths without the plugin ------------------------------------------------------
+@no_plugin
+def test_lca_train_aot_without_the_plugin_is_one_line_exit_2():
+  r = _run(["-m", "lca_jax.cli.train", "--config", TINY, "--aot", "h100:8"])
+  assert r.returncode == 2, r.stderr
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and "CUDA plugin" in lines[0] and "make gpu-aot" in lines[0]
+
+
+def test_lca_train_aot_unknown_target_is_one_line_exit_2():
+  r = _run(["-m", "lca_jax.cli.train", "--config", TINY, "--aot", "tpu7"])
+  assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+  assert "unknown GPU target 'tpu7'" in r.stderr
+
+
+@no_plugin
+def test_tool_without_the_plugin_is_one_line_exit_2():
+  r = _run([TOOL, "--targets", "h100", "--config", TINY])
+  assert r.returncode == 2 and "CUDA plugin" in r.stderr and r.stdout == ""
+
+
+# ---- with the plugin: real GPU executables -----------------------------------------------
+@pytest.fixture
+def optimized():
+  """XLA's normal optimization (the suite turns most of it off to compile faster): the GPU
+  passes these tests read (command buffers, fusion) run as they do for users."""
+  old = jax.config.jax_disable_most_optimizations
+  jax.config.update("jax_disable_most_optimizations", False)
+  yield
+  jax.config.update("jax_disable_most_optimizations", old)
+
+
+def _tiny_config(impl, seq_len=512):
+  from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
+
+  c = configs_io.load_config(TINY)
+  c.model.attention_impl = impl
+  c.data.seq_len = seq_len
+  c.train.micro_batch_size = 2
+  c.train.global_batch_bytes = 2 * seq_len
+  return c
+
+
+@needs_plugin
+def test_pallas_train_step_runs_the_triton_kernels_without_a_dense_matrix(optimized):
+  from lca_jax.aot import check  # pylint: disable=g-import-not-at-top
+
+  (pallas,) = check.train_reports(_tiny_config("pallas"), targets.parse("h100:2"), ("train_step",))
+  assert pallas["custom_calls"].get("__gpu$xla.gpu.triton", 0) >= 6  # 3 stacks + the LCA head
+  assert pallas["attention_buffers_TT"] == 0 and pallas["memory"]["fits"]
+  assert pallas["mesh"]["data"] == 2 and pallas["micro_batch_per_device"] == 1
+  (dense,) = check.train_reports(_tiny_config("dense"), targets.parse("h100:2"), ("train_step",))
+  assert dense["attention_buffers_TT"] > 0  # the check sees a [T, T] matrix where there is one
+
+
+@needs_plugin
+def test_decode_loop_is_one_cuda_graph(optimized, monkeypatch):
+  from lca_jax.aot import check  # pylint: disable=g-import-not-at-top
+  from lca_jax.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+
+  cfg = ModelConfig.from_dict(_tiny_config("xla").model.to_dict())
+  (r,) = check.decode_reports(cfg, targets.parse("h100"), [dict(batch=1, mode="ntp")], 32, 32)
+  step = r["step"]
+  assert step["loop_in_graph"] and step["host_syncs"] == 0 and step["kernels"] > 10
+  monkeypatch.setenv("LCA_JAX_GPU_GRAPHS", "0")
+  (r0,) = check.decode_reports(cfg, targets.parse("h100"), [dict(batch=1, mode="ntp")], 32, 32)
+  assert not r0["step"]["loop_in_graph"] and r0["step"]["host_syncs"] >= 1
+  assert r0["step"]["kernels"] == step["kernels"]
+
+
+@needs_plugin
+def test_lca_train_aot_and_the_tool_as_a_user_runs_them():
+  r = _run(
+    ["-m", "lca_jax.cli.train", "--config", TINY, "--aot", "h200:2", "--json"],
+    JAX_PLATFORMS="cpu",
+  )
+  assert r.returncode == 0, r.stderr[-2000:]
+  reports = json.loads(r.stdout)
+  assert [x["program"] for x in reports] == ["train_step", "eval_step"]
+  assert reports[0]["device"] == "NVIDIA H200" and reports[0]["memory"]["fits"]
+  r = _run(
+    [TOOL, "--config", TINY, "--targets", "b200", "--gpus", "1", "--impls", "pallas"]
+    + ["--decode", "none", "--micro-per-gpu", "2"],
+    JAX_PLATFORMS="cpu",
+  )
+  assert r.returncode == 0, r.stderr[-2000:]
+  out = json.loads(r.stdout)
+  assert [p["program"] for p in out["programs"]] == ["train_step", "eval_step"]
+  assert out["programs"][0]["target"] == "b200:1" and out["programs"][0]["compile_s"] > 0
