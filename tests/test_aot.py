@@ -187,7 +187,7 @@ def test_tool_without_the_plugin_is_one_line_exit_2():
 def optimized():
   """XLA's normal optimization (the suite turns most of it off to compile faster): the GPU
   passes these tests read (command buffers, fusion) run as they do for users."""
-  old = jax.config.jax_disable_most_optimizations
+  old = jax.config.values["jax_disable_most_optimizations"]
   jax.config.update("jax_disable_most_optimizations", False)
   yield
   jax.config.update("jax_disable_most_optimizations", old)
@@ -240,7 +240,7 @@ def test_lca_train_aot_and_the_tool_as_a_user_runs_them():
   assert r.returncode == 0, r.stderr[-2000:]
   reports = json.loads(r.stdout)
   assert [x["program"] for x in reports] == ["train_step", "eval_step"]
-  assert reports[0]["device"] == "NVIDIA H200" and reports[0]["memory"]["fits"]
+  assert reports[0]["device"].startswith("NVIDIA H200") and reports[0]["memory"]["fits"]
   r = _run(
     [TOOL, "--config", TINY, "--targets", "b200", "--gpus", "1", "--impls", "pallas"]
     + ["--decode", "none", "--micro-per-gpu", "2"],

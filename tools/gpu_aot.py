@@ -23,11 +23,13 @@ import platform
 import sys
 import time
 
-os.environ["JAX_PLATFORMS"] = "cpu"  # compile for GPUs; never start a GPU client
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from lca_jax import aot  # noqa: E402  pylint: disable=g-import-not-at-top
+
+aot.import_jax_for_gpu_targets()  # JAX_PLATFORMS=cpu: compile for GPUs, start no GPU client
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 
 from lca_jax import configs_io  # noqa: E402  pylint: disable=g-import-not-at-top

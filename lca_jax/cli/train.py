@@ -182,7 +182,9 @@ def _summary(result) -> str:
 
 def _aot(args, rest) -> int:
   """``--aot GPU[:N]``: the run's train and eval steps compiled for that target, reported."""
-  os.environ["JAX_PLATFORMS"] = "cpu"  # compile for the GPUs named; start no GPU client
+  from lca_jax import aot  # pylint: disable=g-import-not-at-top
+
+  aot.import_jax_for_gpu_targets()
   from lca_jax.aot import check, targets, text  # pylint: disable=g-import-not-at-top
 
   try:
