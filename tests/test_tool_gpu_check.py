@@ -23,10 +23,12 @@ from conftest import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tools", "gpu_check.sh")
-# Logs one line per call: name, PYTHONPATH=..., JAX_PLATFORMS=..., then the arguments.
+# Logs one line per call: name, PYTHONPATH=..., JAX_PLATFORMS=..., XLA_FLAGS=...,
+# LCA_JAX_GPU_GRAPHS=..., then the arguments.
 STUB = """#!/usr/bin/env bash
 { printf '%q ' "$(basename "$0")" "PYTHONPATH=${PYTHONPATH:-}" "JAX_PLATFORMS=${JAX_PLATFORMS:-}" \
-    "XLA_FLAGS=${XLA_FLAGS:-}" "$@"; echo; } >> "$STUB_LOG"
+    "XLA_FLAGS=${XLA_FLAGS:-}" "LCA_JAX_GPU_GRAPHS=${LCA_JAX_GPU_GRAPHS:-}" "$@"; echo; } \
+    >> "$STUB_LOG"
 if [ -n "${STUB_OOM:-}" ] && [[ " $* " == *"$STUB_OOM "* ]]; then
   echo "RESOURCE_EXHAUSTED: Out of memory while trying to allocate" >&2
   exit 1
@@ -40,7 +42,7 @@ pytestmark = pytest.mark.skipif(
 
 def _rehearse(tmp_path, *args, wheels=None, env=None):
   """Runs the script with stubs; returns (completed process, logged calls, $OUT), each call as
-  (program, PYTHONPATH, JAX_PLATFORMS, [arguments], XLA_FLAGS)."""
+  (program, PYTHONPATH, JAX_PLATFORMS, [arguments], XLA_FLAGS, LCA_JAX_GPU_GRAPHS)."""
   work, bin_dir, out = tmp_path / "work", tmp_path / "bin", tmp_path / "out"
   for d in (work, bin_dir):
     d.mkdir(parents=True)
@@ -72,9 +74,9 @@ def _rehearse(tmp_path, *args, wheels=None, env=None):
   )
   calls = []
   for line in log.read_text().splitlines():
-    prog, pythonpath, platforms, xla_flags, *argv = shlex.split(line)
+    prog, pythonpath, platforms, xla_flags, graphs, *argv = shlex.split(line)
     value = lambda s: s.split("=", 1)[1]
-    calls.append((prog, value(pythonpath), value(platforms), argv, value(xla_flags)))
+    calls.append((prog, value(pythonpath), value(platforms), argv, value(xla_flags), value(graphs)))
   return proc, calls, out
 
 
@@ -91,7 +93,7 @@ PARTS = [
   "bench_train_xla",
   "bench_decode_b32",
   "bench_decode_n6",
-  "bench_decode_graphs",
+  "bench_decode_host_loop",
   "test_decode",
   "test_model",
   "bench_train_unrolled",
@@ -132,7 +134,7 @@ def test_rehearsal(tmp_path, monkeypatch):
   calls = calls[:-1]
   assert calls[1][3][0] == "-c" and "jax.devices()" in calls[1][3][1]  # gpu.txt's device line
   ran = []
-  for prog, pythonpath, platforms, argv, _ in calls[2:]:
+  for prog, pythonpath, platforms, argv, *_ in calls[2:]:
     assert pythonpath == str(work) and platforms == "cuda", (prog, pythonpath, platforms)
     if argv[:2] == ["-m", "pytest"]:
       files = [a for a in argv if a.startswith("tests/")]
@@ -171,13 +173,12 @@ def test_rehearsal(tmp_path, monkeypatch):
     ("1", "6"),
     ("1", "3"),
   ]
-  # the GPU's parts share XLA's autotuning results; the graphs part adds CUDA-graph command
-  # buffers over the decode loop, which no other part has
+  # the GPU's parts share XLA's autotuning results; the host-loop part alone decodes without
+  # the decode loop as one CUDA graph (LCA_JAX_GPU_GRAPHS=0, lca_jax/xla_options.py)
   flags = [c[4] for c in calls[2:]]
   assert all("--xla_gpu_per_fusion_autotune_cache_dir=" in f for f in flags)
-  graphs = [f for f in flags if "--xla_gpu_enable_command_buffer=" in f]
-  assert len(graphs) == 1 and "WHILE,CONDITIONAL" in graphs[0]
-  assert graphs[0] == flags[PARTS.index("bench_decode_graphs")]
+  graphs = [c[5] for c in calls[2:]]
+  assert graphs == ["0" if p == "bench_decode_host_loop" else "" for p in PARTS]
 
 
 def test_parts_and_budget(tmp_path):
@@ -223,11 +224,11 @@ def test_wheels_installed_first(tmp_path):
   (wheels / "fake-0.0-py3-none-any.whl").write_text("")
   proc, calls, out = _rehearse(tmp_path, str(wheels))
   assert proc.returncode == 0, proc.stderr
-  prog, _, _, argv, _ = calls[0]
+  prog, _, _, argv, *_ = calls[0]
   assert prog == "python3" and argv[:3] == ["-m", "pip", "install"], calls[0]
   assert "--no-index" in argv and argv[-1] == str(wheels / "fake-0.0-py3-none-any.whl")
   assert argv[argv.index("--target") + 1] == "/tmp/site"
-  for _, pythonpath, _, _, _ in calls[1:]:  # everything after sees the installed wheels first
+  for _, pythonpath, *_ in calls[1:]:  # everything after sees the installed wheels first
     assert pythonpath == f"/tmp/site:{tmp_path / 'work'}"
   assert len((out / "summary.txt").read_text().splitlines()) == len(PARTS)
 

@@ -19,7 +19,7 @@
 #   PARTS               the parts to run, in order (default: all, most important first:
 #                       test_kernels bench_kernel bench_train_pallas bench_decode_b1
 #                       bench_train_xla bench_decode_b32 bench_decode_n6
-#                       bench_decode_graphs test_decode test_model bench_train_unrolled:
+#                       bench_decode_host_loop test_decode test_model bench_train_unrolled:
 #                       bench_train_xla with every stack unrolled, against its scanned LM,
 #                       docs/design.md §2.2); a part's JSON is printed
 #                       when it ends, so each decode batch size is a part of its own (a
@@ -57,13 +57,13 @@ fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
 ALL="test_kernels bench_kernel bench_train_pallas bench_decode_b1 bench_train_xla bench_decode_b32"
-ALL="$ALL bench_decode_n6 bench_decode_graphs test_decode test_model bench_train_unrolled"
+ALL="$ALL bench_decode_n6 bench_decode_host_loop test_decode test_model bench_train_unrolled"
 PARTS=${PARTS:-$ALL}
 DECODE_MODES=${DECODE_MODES:-ntp,threshold_tau0,verify}
-# bench_decode_graphs: the batch-1 decode again with XLA's CUDA-graph command buffers also over
-# the while loop and the conditionals (a step is hundreds of small kernels; every launch counts at
-# batch 1), against bench_decode_b1's default command buffers (names: jaxlib's DebugOptions)
-GRAPHS=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
+# bench_decode_host_loop: the batch-1 decode again with XLA's default command buffers
+# (LCA_JAX_GPU_GRAPHS=0: each step's body one CUDA graph, the loop's predicate read back by the
+# host after every step), against bench_decode_b1's whole decode loop as one CUDA graph
+# (lca_jax/xla_options.py; a step is hundreds of small kernels, every launch counts at batch 1)
 for p in $PARTS; do
   case " $ALL " in *" $p "*) ;; *) echo "unknown part $p (one of: $ALL)" >&2; exit 2 ;; esac
 done
@@ -146,8 +146,7 @@ for p in $PARTS; do
       --batch "$DECODE_BATCH" --modes "$DECODE_MODES" --n 3 ;;
     bench_decode_n6) part "$p" 60 python3 tools/bench_decode.py "${DECODE[@]}" \
       --batch 1 --modes ntp,threshold_tau0 --n 6 ;;
-    bench_decode_graphs) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=$GRAPHS" \
-      part "$p" 120 python3 tools/bench_decode.py "${DECODE[@]}" \
+    bench_decode_host_loop) LCA_JAX_GPU_GRAPHS=0 part "$p" 120 python3 tools/bench_decode.py "${DECODE[@]}" \
       --batch 1 --modes ntp,threshold_tau0 --n 3 ;;
     test_decode) part "$p" 120 python3 -m pytest -q -x -p no:cacheprovider "${COLLECT[@]}" \
       tests/test_decode.py ;;
