@@ -27,7 +27,15 @@ setup(
   extras_require={
     "data": ["grain>=0.2.10", "array-record>=0.8", "pyarrow>=15", "tensorflow-datasets>=4.9.8"],
     "train": ["tensorboardX>=2.6", "grain>=0.2.10", "pyarrow>=15"],
-    "eval": ["rouge-score>=0.1.2", "sacrebleu>=2.4", "matplotlib>=3.8"],
+    # lm-evaluation-harness (--model lca_jax) and the transformers export (lca-convert to-hf)
+    "eval": [
+      "rouge-score>=0.1.2",
+      "sacrebleu>=2.4",
+      "matplotlib>=3.8",
+      "lm-eval>=0.4.9,<0.5",
+      "transformers>=5.0,<6",
+      "torch>=2.4",
+    ],
     "torch": ["torch>=2.4"],
     "cuda12": ["jax[cuda12]>=0.9,<0.12"],
     "test": ["pytest>=8", "pytest-xdist>=3.5"],

@@ -3,12 +3,16 @@
     lca-convert to-torch --checkpoint DIR --out DIR [--dtype float32|bfloat16] [--step N] [--force]
     lca-convert from-torch --torch-dir DIR --out DIR [--vocab-size N] [--force]
                            [--config FILE [--config.SECTION.KEY=VALUE ...]]
+    lca-convert to-hf --checkpoint DIR --out DIR [--step N] [--force]
 
 to-torch: DIR is an lca-train work directory (latest checkpoint, or --step) or an upstream
 directory; writes config.json + model.safetensors (see lca_jax/interop/upstream.py).
 from-torch: writes an lca-train work directory at step 0 that lca_jax.load / lca-sample serve
 and train.init_from=DIR fine-tunes from; with --config (and the same overrides lca-train would
 get) it holds a full train state that `lca-train --config FILE --workdir DIR` resumes.
+to-hf: writes a Hugging Face transformers directory (config.json with auto_map, the modeling and
+tokenizer files, float32 model.safetensors) that AutoModelForCausalLM / AutoTokenizer load with
+trust_remote_code=True (see lca_jax/interop/hf_export.py).
 Errors are one line on stderr, exit status 2.
 """
 
@@ -35,7 +39,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser():
   p = _Parser(prog="lca-convert", description=__doc__.split("\n\n")[0])
-  sub = p.add_subparsers(dest="cmd", metavar="{to-torch,from-torch}", parser_class=_Parser)
+  sub = p.add_subparsers(dest="cmd", metavar="{to-torch,from-torch,to-hf}", parser_class=_Parser)
   sub.required = True
   t = sub.add_parser("to-torch", help="export to config.json + model.safetensors")
   t.add_argument("--checkpoint", required=True, help="lca-train work directory or upstream dir")
@@ -65,6 +69,11 @@ def _parser():
     action="store_true",
     help="overwrite a non-empty --out (its checkpoints/ and run config)",
   )
+  h = sub.add_parser("to-hf", help="export to a Hugging Face transformers directory")
+  h.add_argument("--checkpoint", required=True, help="lca-train work directory or upstream dir")
+  h.add_argument("--out", required=True, help="output directory (new or empty)")
+  h.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+  h.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
   return p
 
 
@@ -77,7 +86,7 @@ def main(argv=None) -> int:
     return _fail(f"unrecognized arguments: {' '.join(rest)}")
   one_line_warnings("lca-convert")
   # deferred: jax, orbax and the model take seconds to import, which --help and usage errors skip
-  from lca_jax.interop import convert  # pylint: disable=g-import-not-at-top
+  from lca_jax.interop import convert, hf_export  # pylint: disable=g-import-not-at-top
   from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
 
   config = None
@@ -96,6 +105,13 @@ def main(argv=None) -> int:
       print(
         f"lca-convert: wrote {os.path.join(out, 'config.json')} and model.safetensors "
         f"({args.dtype})",
+        file=sys.stderr,
+      )
+    elif args.cmd == "to-hf":
+      out = hf_export.to_hf(args.checkpoint, args.out, step=args.step, force=args.force)
+      print(
+        f"lca-convert: wrote {out} (transformers: AutoModelForCausalLM.from_pretrained"
+        "(DIR, trust_remote_code=True))",
         file=sys.stderr,
       )
     else:

@@ -1,0 +1,132 @@
+"""Export to a Hugging Face transformers directory (``lca-convert to-hf``).
+
+    from lca_jax.interop import hf_export
+    hf_export.to_hf("workdirs/run", "export/run-hf")
+
+    model = AutoModelForCausalLM.from_pretrained("export/run-hf", trust_remote_code=True)
+    tok = AutoTokenizer.from_pretrained("export/run-hf", trust_remote_code=True)
+
+The directory holds ``config.json`` (``auto_map`` to the classes below, the upstream config under
+``lca_config``), ``generation_config.json``, ``model.safetensors`` (float32, the upstream state
+dict of ``interop/upstream.py`` with names prefixed by ``model.``), ``tokenizer_config.json``,
+``special_tokens_map.json`` and three Python files copied from this package:
+``modeling_lca.py`` (``hf_modeling.py``), ``torch_model.py`` and ``tokenization_lca.py``
+(``hf_tokenizer.py``). Writing it needs neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Optional
+
+from lca_jax import api
+from lca_jax.interop import upstream
+from lca_jax.interop.convert import ConvertError, _check_out_free, _prepare_out, _same_path
+from lca_jax.interop.errors import CheckpointError
+from lca_jax.interop.safetensors_io import write_safetensors
+from lca_jax.model.config import ConfigError
+from lca_jax.vocab import EOS_ID, NUM_BASE_TOKENS, PAD_ID
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# export file name -> source file in this package
+CODE_FILES = {
+  "modeling_lca.py": "hf_modeling.py",
+  "torch_model.py": "torch_model.py",
+  "tokenization_lca.py": "hf_tokenizer.py",
+}
+PREFIX = "model."
+
+
+def hf_config(cfg) -> dict:
+  """``config.json`` of an export of a model of ``cfg``."""
+  return {
+    "architectures": ["LcaForCausalLM"],
+    "model_type": "lca_byte",
+    "auto_map": {
+      "AutoConfig": "modeling_lca.LcaConfig",
+      "AutoModelForCausalLM": "modeling_lca.LcaForCausalLM",
+    },
+    "lca_config": upstream.config_to_upstream(cfg),
+    "vocab_size": int(cfg.n_tokens),
+    "max_position_embeddings": int(cfg.max_seq_len),
+    "pad_token_id": PAD_ID,
+    "eos_token_id": EOS_ID,
+    "tie_word_embeddings": False,
+    "use_cache": False,
+    "dtype": "float32",
+  }
+
+
+def tokenizer_config(cfg) -> dict:
+  return {
+    "tokenizer_class": "LcaByteTokenizer",
+    "auto_map": {"AutoTokenizer": ["tokenization_lca.LcaByteTokenizer", None]},
+    "model_max_length": int(cfg.max_seq_len),
+    "pad_token": "<pad>",
+    "eos_token": "<eos>",
+    "unk_token": "<unk>",
+    "additional_special_tokens": ["<en>", "<eot>"],
+    "extra_ids": 0,
+    "split_special_tokens": True,
+    "padding_side": "left",
+    "clean_up_tokenization_spaces": False,
+  }
+
+
+def _write_json(path: str, obj: dict) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)
+
+
+def write_hf_dir(out: str, model: api.Model) -> str:
+  """Write the export of ``model`` (an ``lca_jax.Model``) into the existing directory ``out``."""
+  if model.cfg.n_tokens != NUM_BASE_TOKENS:
+    raise ConvertError(
+      f"the byte tokenizer has {NUM_BASE_TOKENS} ids; the model has {model.cfg.n_tokens}"
+    )
+  try:
+    sd = upstream.params_to_state_dict(model.params, model.cfg, "float32", model.extras)
+  except CheckpointError as e:
+    raise ConvertError(str(e)) from None
+  write_safetensors(os.path.join(out, "model.safetensors"), {PREFIX + k: v for k, v in sd.items()})
+  _write_json(os.path.join(out, "config.json"), hf_config(model.cfg))
+  _write_json(
+    os.path.join(out, "generation_config.json"),
+    {"pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "use_cache": False},
+  )
+  _write_json(os.path.join(out, "tokenizer_config.json"), tokenizer_config(model.cfg))
+  _write_json(
+    os.path.join(out, "special_tokens_map.json"),
+    {
+      "pad_token": "<pad>",
+      "eos_token": "<eos>",
+      "unk_token": "<unk>",
+      "additional_special_tokens": ["<en>", "<eot>"],
+    },
+  )
+  for dst, src in CODE_FILES.items():
+    shutil.copyfile(os.path.join(HERE, src), os.path.join(out, dst))
+  return out
+
+
+def to_hf(src, out: str, *, step: Optional[int] = None, force: bool = False) -> str:
+  """Export ``src`` — a path ``lca_jax.load`` accepts or a loaded ``lca_jax.Model`` — to the
+  transformers directory ``out`` (new or empty, or any directory with ``force``). Returns the
+  absolute output path."""
+  out_abs = os.path.abspath(os.path.expanduser(os.fspath(out)))
+  if isinstance(src, api.Model):
+    model = src
+  else:
+    src = os.fspath(src)
+    if os.path.exists(src) and _same_path(src, out_abs):
+      raise ConvertError(f"output directory {out_abs} is the source; choose another --out")
+    _check_out_free(out_abs, force)
+    try:
+      model = api.load(src, step=step)
+    except (api.LoadError, CheckpointError, ConfigError, FileNotFoundError) as e:
+      raise ConvertError(str(e)) from None
+  return write_hf_dir(_prepare_out(out_abs, force), model)
