@@ -34,6 +34,7 @@ setup(
       "matplotlib>=3.8",
       "lm-eval>=0.4.9,<0.5",
       "transformers>=5.0,<6",
+      "accelerate>=1.0",
       "torch>=2.4",
     ],
     "torch": ["torch>=2.4"],
@@ -55,6 +56,8 @@ setup(
       "lca-eval=lca_jax.cli.eval:main",
       "lca-convert=lca_jax.cli.convert:main",
       "lca-serve=lca_jax.cli.serve:main",
+      # lm_eval's CLI with --model lca_jax registered (the pinned lm_eval has no plugin hook)
+      "lca-lm-eval=lca_jax.eval.lm_eval_cli:main",
     ]
   },
 )

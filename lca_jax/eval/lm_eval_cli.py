@@ -1,0 +1,36 @@
+"""lm-evaluation-harness's command line with ``--model lca_jax`` registered.
+
+    lca-lm-eval --model lca_jax \\
+      --model_args checkpoint=DIR[,mode=verify,n=3,dtype=float32] \\
+      --tasks TASKS [--include_path TASK_YAML_DIR] [any lm_eval option]
+
+``python -m lca_jax.eval.lm_eval_cli`` is the same command.
+The arguments are lm_eval's own (``lm_eval --help``); this module registers the lca-jax model
+(``lca_jax.eval.lm_eval_adapter``) and runs lm_eval's CLI in the same process. The pinned
+lm_eval discovers models only through its own registry, hence this wrapper. A checkpoint that
+cannot be loaded or a bad model argument is one line on stderr, exit status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lm_eval.__main__ import cli_evaluate
+
+from lca_jax.errors import LcaError
+from lca_jax.eval import lm_eval_adapter  # noqa: F401  (registers --model lca_jax)
+
+
+def main(argv=None) -> int:
+  if argv is not None:
+    sys.argv = [sys.argv[0]] + list(argv)
+  try:
+    cli_evaluate()
+  except LcaError as e:
+    print(f"lca-lm-eval: error: {e}", file=sys.stderr, flush=True)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
