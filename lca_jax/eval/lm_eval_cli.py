@@ -5,6 +5,7 @@
       --tasks TASKS [--include_path TASK_YAML_DIR] [any lm_eval option]
 
 ``python -m lca_jax.eval.lm_eval_cli`` is the same command.
+
 The arguments are lm_eval's own (``lm_eval --help``); this module registers the lca-jax model
 (``lca_jax.eval.lm_eval_adapter``) and runs lm_eval's CLI in the same process. The pinned
 lm_eval discovers models only through its own registry, hence this wrapper. A checkpoint that
@@ -22,13 +23,17 @@ from lca_jax.eval import lm_eval_adapter  # noqa: F401  (registers --model lca_j
 
 
 def main(argv=None) -> int:
+  """Run lm_eval's CLI on ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+  saved = sys.argv
   if argv is not None:
-    sys.argv = [sys.argv[0]] + list(argv)
+    sys.argv = [saved[0]] + list(argv)
   try:
     cli_evaluate()
   except LcaError as e:
     print(f"lca-lm-eval: error: {e}", file=sys.stderr, flush=True)
     return 2
+  finally:
+    sys.argv = saved
   return 0
 
 
