@@ -41,6 +41,13 @@ def cpu_threads() -> int:
   return (os.cpu_count() or 1) if is_cpu() else 1
 
 
+def row_major_kernels() -> bool:
+  """Whether decoding stores its weight matrices [out, in] (``layers.transpose_kernels``): on
+  GPUs, where a one-row product against [in, out] can cost XLA two kernels and a weight-size
+  temporary."""
+  return platform() == "gpu"
+
+
 @contextlib.contextmanager
 def target(name: str) -> Iterator[None]:
   """Trace and compile for ``name`` (one of ``PLATFORMS``) inside the block."""

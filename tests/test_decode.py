@@ -17,7 +17,7 @@ import pytest
 from conftest import assert_close_rel
 
 import lca_jax
-from lca_jax import vocab
+from lca_jax import backend, vocab
 from lca_jax.api import Model
 from lca_jax.decode import engine, policies, sampling
 from lca_jax.model import incremental, layers, masks, pooling
@@ -389,6 +389,49 @@ def test_extend_with_fused_params_equals_separate_dots():
   for f in ("last_nt", "last_mbp", "last_copies", "z", "enc", "lm", "dec", "mbp"):
     for a, r in zip(jax.tree.leaves(getattr(st, f)), jax.tree.leaves(getattr(ref_st, f))):
       assert_close_rel(a, r, 1e-5, err_msg=f)
+
+
+def _keys(tree) -> set:
+  return {
+    getattr(k, "key", None)
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+    for k in path
+  }
+
+
+def test_out_in_kernels_decode_like_in_out_ones(monkeypatch):
+  """Decode weights stored [out, in] (``layers.transpose_kernels``, the GPU layout) give the
+  [in, out] layout's logits and caches in every stack, and ``generate`` the same bytes (the
+  engine keeps one executable per layout); ``decode_weights`` leaves its own result as it is."""
+  model = tiny_model("lca", factor=4.0, bp_bias=2.0)
+  cfg = model.cfg
+  ids = np.stack([random_ids(np.random.default_rng(13), 24) for _ in range(2)])
+  plain = layers.decode_weights(model.params, cfg.dtype, True, transpose=False)
+  oi = layers.decode_weights(model.params, cfg.dtype, True, transpose=True)
+  names = _keys(oi)
+  assert "kernel" not in names and {"kernel_oi", "qkv_kernel", "gate_up_kernel"} <= names
+  again = layers.decode_weights(oi, cfg.dtype, True, transpose=True)
+  assert jax.tree_util.tree_structure(again) == jax.tree_util.tree_structure(oi)
+
+  @jax.jit
+  def run(p):
+    st = incremental.init_state(cfg, p, 2, 32, True, 3)
+    st, _ = incremental.extend(cfg, p, st, jnp.asarray(ids[:, :16]), jnp.array([16, 11]), True, 3)
+    return incremental.extend(cfg, p, st, jnp.asarray(ids[:, 16:]), jnp.array([5, 8]), True, 3)
+
+  (st, out), (ref_st, ref_out) = run(oi), run(plain)
+  assert int(jnp.sum(ref_st.n_closed)) > 0  # the latent LM ran
+  for key in ("nt_logits", "mbp_logits"):
+    assert_close_rel(out[key], ref_out[key], 1e-5, err_msg=key)
+  for f in ("z", "enc", "lm", "dec", "mbp"):
+    for a, r in zip(jax.tree.leaves(getattr(st, f)), jax.tree.leaves(getattr(ref_st, f))):
+      assert_close_rel(a, r, 1e-5, err_msg=f)
+  kw = dict(mode="threshold", n=3, tau=0.3, max_bytes=24, ignore_eos=True)
+  ref = model.generate([5, 6, 7, 8, 9], **kw).ids[0].tolist()
+  monkeypatch.setattr(backend, "row_major_kernels", lambda: True)
+  fresh = Model(cfg, model.params)
+  assert "kernel" not in _keys(fresh.decode_params())
+  assert fresh.generate([5, 6, 7, 8, 9], **kw).ids[0].tolist() == ref
 
 
 @pytest.mark.parametrize("mode", ["ntp", "threshold", "verify"])

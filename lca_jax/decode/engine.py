@@ -305,7 +305,12 @@ _EXECUTABLES = _ExecutableCache(capacity=16)
 
 def _compiled(cfgs, plan, length, args) -> _Executable:
   """One XLA executable per static signature; reused across calls (no retracing)."""
-  shapes = tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args))
+  # the tree's structure too: decode weights of one shape can be laid out two ways
+  # (``layers.transpose_kernels``)
+  shapes = (
+    jax.tree_util.tree_structure(args),
+    tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args)),
+  )
 
   def build():
     t0 = time.perf_counter()

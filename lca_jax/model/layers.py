@@ -40,12 +40,15 @@ class Dense(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    kernel = self.param(
-      "kernel",
-      nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes),
-      (x.shape[-1], self.features),
-    )
-    y = dot_rows(x, kernel, self.dtype)
+    if self.has_variable("params", out_in("kernel")):  # decode weights, ``transpose_kernels``
+      y = dot_rows_oi(x, self.get_variable("params", out_in("kernel")), self.dtype)
+    else:
+      kernel = self.param(
+        "kernel",
+        nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes),
+        (x.shape[-1], self.features),
+      )
+      y = dot_rows(x, kernel, self.dtype)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,)).astype(self.dtype)
     return y.reshape(x.shape[:-1] + (self.features,))
@@ -55,6 +58,25 @@ def dot_rows(x, kernel_IO, dtype):
   """x [..., in] times kernel [in, out] as a [tokens, in] x [in, out] product in ``dtype``
   (one contracting axis: see ``Dense``); returns [tokens, out]."""
   return jnp.dot(x.reshape(-1, x.shape[-1]).astype(dtype), kernel_IO.astype(dtype))
+
+
+def dot_rows_oi(x, kernel_OI, dtype):
+  """``dot_rows`` with the kernel stored [out, in] (``transpose_kernels``)."""
+  x_TI = x.reshape(-1, x.shape[-1]).astype(dtype)
+  return jax.lax.dot_general(x_TI, kernel_OI.astype(dtype), (((1,), (1,)), ((), ())))
+
+
+def out_in(name: str) -> str:
+  """The name a kernel [in, out] has when ``transpose_kernels`` stores it [out, in]."""
+  return name + "_oi"
+
+
+def decode_kernel(module, name: str):
+  """(kernel, stored [out, in]) of a decode-only fused kernel of ``module``'s scope, or None."""
+  for key, oi in ((out_in(name), True), (name, False)):
+    if module.has_variable("params", key):
+      return module.get_variable("params", key), oi
+  return None
 
 
 def dense(features, name, axes, dtype):
@@ -128,17 +150,49 @@ def compute_dtype_weights(params, dtype):
   return walk(params) if isinstance(params, Mapping) else params
 
 
-def decode_weights(params, dtype, fuse: bool = True):
+def transpose_kernels(params):
+  """``params`` with every ``Dense`` kernel [in, out] stored as its transpose [out, in] under
+  ``out_in("kernel")`` instead (``Dense`` reads it there); the fused q/k/v and gate/up kernels
+  stay [in, out].
+
+  A product of one row (a batch-1 decode step) against a kernel [in, out] is a reduction over
+  its first axis, which XLA:GPU splits into two kernels when it does not fuse the row's
+  broadcast into the reduction: a product of the kernel's size written to memory and read back
+  by a column reduction (the attention output and MLP down projections of the paper-scale
+  model). Against [out, in] it is a row reduction over contiguous weights, one kernel. The fused
+  kernels' products are single reductions as they are, and XLA copies them back to [in, out]
+  before the loop when they are given [out, in]. A tree that has no [in, out] ``Dense`` kernel
+  left is returned as it is."""
+  if not isinstance(params, Mapping):
+    return params
+  out = {}
+  for k, v in params.items():
+    if isinstance(v, Mapping):
+      out[k] = transpose_kernels(v)
+    elif k == "kernel" and getattr(v, "ndim", 0) == 2:
+      out[out_in(k)] = jnp.asarray(nn.unbox(v)).T
+    else:
+      out[k] = v
+  return out
+
+
+def decode_weights(params, dtype, fuse: bool = True, transpose: Optional[bool] = None):
   """The parameter tree decoding runs with: with ``fuse``, the fused kernels of
   ``fuse_decode_params``; the weights every use casts to ``dtype`` stored in it
-  (``compute_dtype_weights``)."""
-  return compute_dtype_weights(fuse_decode_params(params) if fuse else params, dtype)
+  (``compute_dtype_weights``); with ``transpose`` (default: ``backend.row_major_kernels()``,
+  on GPUs) every kernel stored [out, in] (``transpose_kernels``). Applied to its own result, it
+  returns it unchanged."""
+  tree = compute_dtype_weights(fuse_decode_params(params) if fuse else params, dtype)
+  if transpose is None:
+    transpose = backend.row_major_kernels()
+  return transpose_kernels(tree) if transpose else tree
 
 
-def split_dense(x, kernel_IO, sizes: Sequence[int], dtype):
-  """``Dense`` with a fused kernel [in, sum(sizes)]: one dot, split into one output per part
-  (each [..., size]), as ``Dense`` computes it (flattened rows, compute in ``dtype``)."""
-  y = dot_rows(x, kernel_IO, dtype)
+def split_dense(x, kernel, sizes: Sequence[int], dtype, out_in_layout: bool = False):
+  """``Dense`` with a fused kernel [in, sum(sizes)] ([sum(sizes), in] with ``out_in_layout``):
+  one dot, split into one output per part (each [..., size]), as ``Dense`` computes it
+  (flattened rows, compute in ``dtype``)."""
+  y = (dot_rows_oi if out_in_layout else dot_rows)(x, kernel, dtype)
   cuts = np.cumsum(sizes)[:-1].tolist()
   return [part.reshape(x.shape[:-1] + (part.shape[-1],)) for part in jnp.split(y, cuts, axis=-1)]
 
@@ -384,10 +438,10 @@ class Attention(nn.Module):
     """
     b, t, d = x_BTD.shape
     h, kv, e = self.n_heads, self.n_kv_heads, self.head_dim
-    if cache is not None and self.has_variable("params", QKV_KERNEL):
+    fused = decode_kernel(self, QKV_KERNEL) if cache is not None else None
+    if fused is not None:
       # decoding with ``fuse_decode_params``: one dot (training keeps three, faster there)
-      fused = self.get_variable("params", QKV_KERNEL)
-      q, k, v = split_dense(x_BTD, fused, (h * e, kv * e, kv * e), self.dtype)
+      q, k, v = split_dense(x_BTD, fused[0], (h * e, kv * e, kv * e), self.dtype, fused[1])
     else:
       q = dense(h * e, "q_proj", ("embed", "heads"), self.dtype)(x_BTD)
       k = dense(kv * e, "k_proj", ("embed", "kv"), self.dtype)(x_BTD)
@@ -437,8 +491,9 @@ class SwiGLU(nn.Module):
     ``GATE_UP_KERNEL`` when ``fuse_decode_params`` added it (training keeps two dots: the fused
     one is slower there on XLA:CPU)."""
     d, f = x.shape[-1], self.d_inner
-    if decoding and self.has_variable("params", GATE_UP_KERNEL):
-      gate, up = split_dense(x, self.get_variable("params", GATE_UP_KERNEL), (f, f), self.dtype)
+    fused = decode_kernel(self, GATE_UP_KERNEL) if decoding else None
+    if fused is not None:
+      gate, up = split_dense(x, fused[0], (f, f), self.dtype, fused[1])
     else:
       gate = dense(f, "gate_proj", ("embed", "mlp"), self.dtype)(x)
       up = dense(f, "up_proj", ("embed", "mlp"), self.dtype)(x)
