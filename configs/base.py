@@ -112,6 +112,9 @@ def paper_config(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.model = model
   c.data.format = "parquet"
   c.data.seq_len = 4096
+  # 16 rows of 4096 bytes per forward/backward fit one 80 GB GPU without remat (32 do not:
+  # `lca-train --config C --aot h100:1` prints both); on N GPUs pass 16 * N.
+  c.train.micro_batch_size = 16
   return c
 
 

@@ -1,6 +1,7 @@
 """LCA-MBP at paper scale (2/16/2 + 2-layer LCA-MBP head, ~373M params), FineWeb-Edu parquet.
 
-Run:
+Run (one GPU; on N GPUs add --config.train.micro_batch_size=16*N, checked beforehand with
+`lca-train --config configs/lca_mbp.py --aot h100:N`):
     lca-train --config configs/lca_mbp.py --workdir runs/lca_mbp --config.data.train_files='/data/fineweb-edu/train-*.parquet' --config.data.eval_files='/data/fineweb-edu/val-*.parquet'
 """
 
