@@ -152,6 +152,7 @@ def test_decode_step_counts_kernels_launches_and_syncs():
   s = report.decode_step(LOOP_ON_HOST, 2)
   # condition 1 + body: kernel, copy, the larger branch (2)
   assert s["kernels"] == 5 and s["body_is_one_graph"] and not s["loop_in_graph"]
+  assert s["kernels_least"] == 4  # the idle branch
   assert (s["host_launches"], s["host_syncs"]) == (2, 1)  # condition kernel + body graph
   assert s["kernel_bound_bytes_per_s"] == pytest.approx(2 / (5 * report.LAUNCH_US * 1e-6), 1e-3)
   g = report.decode_step(LOOP_IN_GRAPH, 1)

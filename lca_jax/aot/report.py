@@ -191,14 +191,14 @@ def parse_thunks(text: str) -> Thunk:
   return root
 
 
-def _kernels(t: Thunk) -> int:
+def _kernels(t: Thunk, pick=max) -> int:
   """Device work items one run of ``t`` executes (kernels, copies, library calls): a
-  conditional's largest branch, a loop's condition and body once."""
+  conditional's largest branch (``pick=min``: its smallest), a loop's condition and body once."""
   if not t.children:
     return 0 if t.kind in ("kCommandBuffer", "kSequence") else 1
   if t.kind == "kConditional":
-    return max(sum(map(_kernels, c)) for c in t.children.values())
-  return sum(_kernels(c) for kids in t.children.values() for c in kids)
+    return pick(sum(_kernels(k, pick) for k in c) for c in t.children.values())
+  return sum(_kernels(c, pick) for kids in t.children.values() for c in kids)
 
 
 def _host_work(t: Thunk) -> tuple:
@@ -236,7 +236,9 @@ def decode_step(thunk_text: str, bytes_per_step: float) -> dict:
   launches: device kernels per step (each ~``LAUNCH_US`` when launched one by one), the host's
   launches and syncs per step (none when the whole loop is inside a command buffer: XLA runs
   it as one CUDA graph with device-side conditionals), and the bytes per second each bound
-  allows at ``bytes_per_step`` bytes a step."""
+  allows at ``bytes_per_step`` bytes a step. ``kernels`` counts each conditional at its largest
+  branch (a step where every group closes: the latent LM runs), ``kernels_least`` at its
+  smallest (a step where none does)."""
   loops = list(_loops(parse_thunks(thunk_text)))
   if not loops:
     raise ValueError("no while loop in the thunk sequence")
@@ -247,6 +249,7 @@ def decode_step(thunk_text: str, bytes_per_step: float) -> dict:
   bound = lambda n: round(bytes_per_step / (n * LAUNCH_US * 1e-6), 1) if n else None
   return dict(
     kernels=kernels,
+    kernels_least=_kernels(loop, min),
     body_is_one_graph=len(body) == 1 and body[0].kind == "kCommandBuffer",
     loop_in_graph=in_graph,
     host_launches=launches,
