@@ -8,7 +8,7 @@
 #     bash tools/gpu_check.sh [WHEELS_DIR]
 # WHEELS_DIR (the argument, or the WHEELS_DIR environment variable; default ./wheels, or
 # ./.whl when only that exists) holds wheels of the packages of requirements.txt that the GPU
-# machine's Python lacks (README "GPU check" says how to get them); they are installed into
+# machine's Python lacks (docs/gpu.md says how to get them); they are installed into
 # /tmp/site without network before anything runs. Without wheels the machine's own packages
 # are used (the train benchmark then needs grain there). Results land in $OUT or
 # /tmp/gpu_check: one file per part (<part>.out / .err) and summary.txt (rc, seconds).
