@@ -122,7 +122,7 @@ def tiny_config(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """CPU-sized training (~1M bytes in a few minutes on 2 cores; configs/demo.py starts here).
 
   * 4 rows x 128 bytes per step, 2000 steps (~1M bytes): per byte, 4x128 costs about what
-    8x128 does on CPU (2x256 ~1.5x, 2x512 ~2.7x more), and at equal bytes the smaller, more
+    8x128 does on CPU (longer rows cost more per byte), and at equal bytes the smaller, more
     frequent updates reach a lower bpb. Contexts much longer than 128 bytes are outside what
     this model has seen (decoding far past that degrades). Four rows do not divide over
     8 devices: raise train.micro_batch_size there.

@@ -43,8 +43,8 @@ class Model:
   def decode_params(self):
     """``params`` plus the fused q/k/v and gate/up kernels decoding uses
     (``layers.fuse_decode_params``), built on first use and kept while ``params`` is the same
-    object: a generate call then copies no weight (building them per call cost ~12 ms on the
-    11M model, what ~40 batch-1 steps save), with the weights every use casts to the compute
+    object: a generate call then copies no weight (building them per call costs what dozens of
+    batch-1 steps save), with the weights every use casts to the compute
     dtype stored in it (``layers.compute_dtype_weights``; a bfloat16 model's decode steps read
     half the bytes). Memory: the fused kernels are ~70% of each layer's weights more; with a
     bfloat16 ``cfg.dtype`` the whole tree is a bfloat16 copy beside the float32 params."""

@@ -3,16 +3,15 @@
 XLA:CPU allocates a step's temporary buffer (hundreds of MB for a train step: the activations
 kept for the backward pass) with ``malloc`` at every execution, and glibc serves a request that
 large with a fresh ``mmap`` that it unmaps again on ``free``. Each step then faults in and
-zeroes every 4 KiB page of it: on the d 256 / inner 1024 model at 4 x 1024 bytes, 613 MB per
-device per step, ~300k page faults and ~0.7 s of kernel time per step on 2 cores (strace:
-``mmap(NULL, 613023744)`` / ``munmap`` once per execution; ``getrusage``: minor faults).
+zeroes every 4 KiB page of it (strace: one ``mmap`` / ``munmap`` of the buffer per execution;
+``getrusage``: hundreds of thousands of minor faults, a large share of the step in kernel
+time).
 
 On Linux whose transparent huge pages are in ``madvise`` mode (the default of Debian, Ubuntu
 and others), glibc >= 2.35 marks its mmap-ed chunks MADV_HUGEPAGE when started with
-``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``: the step's buffers then take ~1.1k faults of 2 MiB
-pages. Measured on the 2-core AMD EPYC dev VM (same process layout, median of 3-4 steps):
-4 x 1024 bytes 2.43-2.55 -> 2.12-2.40 s per step, 1 x 4096 bytes 3.8-4.5 -> 3.3-3.5 s; minor
-faults per step 300k -> ~1.4k, kernel time 0.7 -> 0.15 s (docs/design.md §5.3).
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``: the step's buffers then take about a thousand
+faults of 2 MiB pages, and the step spends far less time in the kernel (docs/design.md §5.3;
+timings in docs/performance.md).
 
 A glibc tunable is read once, when the process starts, so ``use_huge_pages`` re-executes the
 program with it set (same argv, same pid: ``os.execve``). The CLIs call it first thing when they

@@ -1,14 +1,13 @@
 """The persistent XLA compilation cache of the command-line programs.
 
-A jitted program is compiled the first time a process runs it: on CPU the demo model's decode
-executable takes ~3.5 s and its train step ~14 s, far more than the work of a short
+A jitted program is compiled the first time a process runs it: on CPU compiling even the demo
+model's decode executable or train step takes seconds, far more than the work of a short
 ``lca-sample`` call or of the first steps after a resume. ``lca-train``, ``lca-sample``,
 ``lca-eval`` and ``tools/demo_sample.py`` therefore keep compiled programs on disk (jax's
 persistent compilation cache) and load them in later runs of the same program, shapes, options,
 devices and jax/jaxlib version (jax's cache key; anything else compiles anew; jax does not
-store a program that calls back to the host, such as ``lca-sample --stream``): measured on a
-2-core CPU (2026-12-04), ``lca-sample`` of 100 bytes on the demo model 5.7 -> 2.5 s in all, a
-20-step ``lca-train`` of the demo config 27 -> 13 s, with the same results.
+store a program that calls back to the host, such as ``lca-sample --stream``), with the same
+results (timings: docs/performance.md).
 
 ``LCA_JAX_XLA_CACHE``: unset = ``$XDG_CACHE_HOME/lca_jax/xla`` (``~/.cache/lca_jax/xla``),
 used only if that directory can be created and written; ``DIR`` = that directory, and an

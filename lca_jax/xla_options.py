@@ -1,14 +1,10 @@
 """XLA:CPU compile options of the decode executables.
 
 XLA:CPU sends dots to YNNPACK fusions by default. Decoding multiplies a few rows (the bytes of a
-step, the rows of a batch) by every weight, which runs faster through its Eigen path (2-core
-AMD EPYC dev VM): [3, 1024] x [1024, 1024] 829 -> 572 us, [32, 1024] x [1024, 1024] 1621 ->
-977 us.
+step, the rows of a batch) by every weight, which runs faster through its Eigen path.
 
-The train step would gain too on a CPU host split into two devices (both executables in one
-process, 5 alternating repetitions each, d 256, layers 2/4/2/2): 1 x 4096 bytes
-tensor-parallel 5.08 -> 4.76 s per step, 4 x 1024 data-parallel unchanged (3.33 vs 3.38 s).
-It does not use them: a ``jax.jit`` given ``compiler_options`` cannot be traced inside another
+The train step does not use them (they would speed a tensor-split step on a CPU host and not a
+data-parallel one; docs/performance.md has both): a ``jax.jit`` given ``compiler_options`` cannot be traced inside another
 transformation (``jax.make_jaxpr``, a caller's own jit or scan), and ``Setup.train_step`` stays
 composable. (docs/design.md §5.3.)
 

@@ -7,12 +7,10 @@ ops run side by side on the executor's threads, so a sum may exceed the wall tim
 Other backends name their events after kernels; there the functions here find nothing.
 An op's event spans its whole run, including any wait for the thread pool it splits its work
 over: with two CPU devices competing for two cores, a library fusion (YNNPACK) can look slower
-than it computes. Not always: on the 1 x 4096 tensor-split step the RMSNorms' reductions
-(YNNPACK reduce fusions) took 0.56 s of events per step, and that was real: YNNPACK reduces
-an array whose leading axis is 1 10-20x slower than the same data without it, which
-``model/rows.py`` now avoids (0.10 s; leaving reductions out of YNNPACK instead,
-``--xla_cpu_experimental_ynn_fusion_type=dot``, made the attention loops slower and the step
-no faster).
+than it computes. Not always: a large share for the RMSNorms' reductions (YNNPACK reduce
+fusions) on a one-row step is real, since YNNPACK reduces an array whose leading axis is 1 an
+order of magnitude slower than the same data without it, which ``model/rows.py`` avoids
+(docs/design.md §5.3).
 
 * ``trace_thread_ns(run, names)``: run ``run()`` under ``jax.profiler`` and sum the events
   whose name is in ``names`` (nanoseconds per name);
@@ -21,9 +19,8 @@ no faster).
 * ``summarize(ns, table, steps)``: thread seconds per step in all and by each of those.
 
 The forward / backward split is not given, because the source names do not tell it reliably:
-split by name ("transpose(" marks the backward), the 4 x 1024 step of docs/design.md §5.3 came
-out 1.28-1.38 s "backward" against 1.60-2.01 s "forward", though its backward does about twice
-the forward's work.
+split by name ("transpose(" marks the backward), a train step comes out with less "backward"
+than "forward" time, though its backward does about twice the forward's work.
 
 ``tools/bench_train.py --profile`` and ``tools/bench_decode.py --profile`` report them.
 """
