@@ -157,34 +157,12 @@ class ByteLM(nn.Module):
     h, _ = self.mbp(m_BTD, pos_BT, mask, kernel=kernel, deterministic=deterministic)
     return h
 
-  def stack_step(
-    self,
-    which: str,
-    x_BTD,
-    pos_BT,
-    mask_BTS,
-    caches,
-    write_B,
-    window_B=None,
-    defer_write=False,
-    rows_BR=None,
-    old_slots=None,
-  ):
-    """Run stack ``which`` ('encoder', 'lm', 'decoder', 'mbp') over a KV cache (decoding),
-    optionally attending only a window of it, optionally returning the new cache entries
-    instead of writing them, optionally keeping only some positions' outputs (``rows_BR``),
-    optionally reading only the first ``old_slots`` slots of each cache (see ``Attention`` and
-    ``Stack``)."""
+  def stack_step(self, which: str, x_BTD, pos_BT, mask_BTS, caches, access, rows_BR=None):
+    """Run stack ``which`` ('encoder', 'lm', 'decoder', 'mbp') over its per-layer KV caches
+    (decoding) as the ``kv_cache.CacheAccess`` ``access`` says, optionally keeping only some
+    positions' outputs (``rows_BR``; see ``Stack``)."""
     return getattr(self, which)(
-      x_BTD,
-      pos_BT,
-      mask_BTS,
-      caches=caches,
-      write_B=write_B,
-      window_B=window_B,
-      defer_write=defer_write,
-      rows_BR=rows_BR,
-      old_slots=old_slots,
+      x_BTD, pos_BT, mask_BTS, caches=caches, access=access, rows_BR=rows_BR
     )
 
   def mlp_head(self, i, h_BTD):

@@ -33,6 +33,7 @@ from lca_jax.model import boundaries as bnd
 from lca_jax.model import masks, pooling
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import ByteLM
+from lca_jax.model.kv_cache import CacheAccess, KVCache
 from lca_jax.model.layers import take_rows, write_kv, write_rows
 
 
@@ -42,10 +43,10 @@ class DecodeState:
   length: jax.Array  # [B] number of committed bytes
   b: jax.Array  # [B, L] hard boundary of each byte
   g: jax.Array  # [B, L] group id of each byte
-  enc: Tuple  # per-layer (k [B, KV, L, E], v [B, KV, E, L])
+  enc: Tuple  # per-layer KVCache (k [B, KV, L, E], v [B, KV, E, L])
   dec: Tuple
   mbp: Tuple
-  lm: Tuple  # per-layer (k [B, KV, S, E], v [B, KV, E, S])
+  lm: Tuple  # per-layer KVCache (k [B, KV, S, E], v [B, KV, E, S])
   z: jax.Array  # [B, S, D] LM outputs per slot (slot 0 = null group)
   s: jax.Array  # [B, S, D] pooled inputs per slot
   n_closed: jax.Array  # [B] closed groups
@@ -58,33 +59,21 @@ class DecodeState:
 
 
 def _kv(cfg: ModelConfig, n_layers, b, length, dtype):
-  """Per-layer zeros (k [B, KV, L, E], v [B, KV, E, L]): the layouts in which a decode step
-  reads both without moving them (``layers.cached_attention``); with L = K new slots, the
-  entries of a ``lax.cond`` branch that computes none."""
+  """Per-layer zero ``KVCache``s (k [B, KV, L, E], v [B, KV, E, L]): the layouts in which a
+  decode step reads both without moving them (``layers.cached_attention``); with L = K new
+  slots, the entries of a ``lax.cond`` branch that computes none."""
   k = (b, cfg.n_kv_heads, length, cfg.head_dim)
   v = (b, cfg.n_kv_heads, cfg.head_dim, length)
-  return tuple((jnp.zeros(k, dtype), jnp.zeros(v, dtype)) for _ in range(n_layers))
+  return tuple(KVCache(jnp.zeros(k, dtype), jnp.zeros(v, dtype)) for _ in range(n_layers))
 
 
 def _apply(cfg, params, method, *args, **kw):
   return ByteLM(cfg).apply({"params": params}, *args, method=method, **kw)
 
 
-def _stack(
-  cfg,
-  params,
-  which,
-  x,
-  pos,
-  mask,
-  caches,
-  write_B,
-  window_B=None,
-  defer=False,
-  rows_BR=None,
-  old_slots=None,
-):
-  args = (which, x, pos, mask, list(caches), write_B, window_B, defer, rows_BR, old_slots)
+def _stack(cfg, params, which, x, pos, mask, caches, access: CacheAccess, rows_BR=None):
+  """``ByteLM.stack_step``: stack ``which`` over its caches; the per-layer results as a tuple."""
+  args = (which, x, pos, mask, list(caches), access, rows_BR)
   out, new = _apply(cfg, params, ByteLM.stack_step, *args)
   return out, tuple(new)
 
@@ -129,8 +118,7 @@ def init_state(
       jnp.zeros((batch, 1), jnp.int32),
       masks.cache_causal_mask(jnp.zeros((batch, 1), jnp.int32), n_slots),
       lm,
-      zero,
-      old_slots=0,
+      CacheAccess(zero, old_slots=0),
     )
     z = write_rows(jnp.zeros((batch, n_slots, d), dt), z0, zero)
     s = write_rows(jnp.zeros((batch, n_slots, d), dt), null, zero)
@@ -220,9 +208,8 @@ def _latents(
   def lm_over(c, old):
     def run():
       x, pos, mask = (a[:, :c] for a in (new_s, slot_pos, lm_mask))
-      z, kv = _stack(
-        cfg, params, "lm", x, pos, mask, state.lm, first_slot, defer=True, old_slots=old
-      )
+      access = CacheAccess(first_slot, old_slots=old, defer_write=True)
+      z, kv = _stack(cfg, params, "lm", x, pos, mask, state.lm, access)
       return _pad_slots(z, kv, k)
 
     return run
@@ -315,7 +302,7 @@ def _pad_slots(z_BCD, entries, k: int):
   """The LM output and cache entries of c slots padded with zeros to k slots."""
   c = z_BCD.shape[1]
   pad = lambda x, axis: jnp.pad(x, [(0, k - c if a == axis else 0) for a in range(x.ndim)])
-  return pad(z_BCD, 1), tuple((pad(kk, 2), pad(vv, 3)) for kk, vv in entries)
+  return pad(z_BCD, 1), tuple(KVCache(pad(kk, 2), pad(vv, 3)) for kk, vv in entries)
 
 
 def _last_rows(blk: _Block, last_only: bool):
@@ -383,10 +370,8 @@ def extend(
   old = 0 if fresh else None  # byte-cache slots that can hold earlier keys
 
   def byte_stack(which, x_BKD, caches, rows_BR):
-    mask = blk.causal_BKL
-    return _stack(
-      cfg, params, which, x_BKD, pos, mask, caches, state.length, rows_BR=rows_BR, old_slots=old
-    )
+    access = CacheAccess(state.length, old_slots=old)
+    return _stack(cfg, params, which, x_BKD, pos, blk.causal_BKL, caches, access, rows_BR)
 
   h, enc = byte_stack("encoder", x, state.enc, enc_rows)
   new = dict(
@@ -548,7 +533,15 @@ def _mbp_stack(
   slot = jnp.arange(length_cap)[None, :]
   mask = lambda g_BW, ord_BW: masks.lca_mask(grp_BQ, None, g_BW, None, ord_BQ, ord_BW)
   run = lambda m, window, old=None: _stack(
-    cfg, params, "mbp", m_BQD, ord_BQ, m, state.mbp, length, window, True, rows_BR, old
+    cfg,
+    params,
+    "mbp",
+    m_BQD,
+    ord_BQ,
+    m,
+    state.mbp,
+    CacheAccess(length, window, old_slots=old, defer_write=True),
+    rows_BR,
   )
   full = lambda old=None: run(mask(key_g_BL, key_ord_BL), None, old)
   w = mbp_window(length_cap, q)

@@ -18,6 +18,7 @@ import numpy as np
 from lca_jax import backend
 from lca_jax.model import rows
 from lca_jax.model.activations import swiglu
+from lca_jax.model.kv_cache import CacheAccess, KVCache
 
 NEG_INF = -1e30
 Dtype = Any
@@ -285,12 +286,14 @@ def write_rows(cache_BS, new_BT, start_B, axis: int = 0):
   return jax.vmap(one)(cache_BS, new_BT, start_B)
 
 
-def write_kv(cache, entries, write_B):
+def write_kv(cache, entries, write_B) -> KVCache:
   """Store new cache entries (k [B, K, T, E], v [B, K, E, T]) at slots ``write_B`` (clamped so
   that they fit, as ``Attention`` assumes when it reads them)."""
   k_c, v_c = cache
   start = jnp.clip(write_B, 0, k_c.shape[2] - entries[0].shape[2])
-  return write_rows(k_c, entries[0], start, axis=1), write_rows(v_c, entries[1], start, axis=2)
+  return KVCache(
+    write_rows(k_c, entries[0], start, axis=1), write_rows(v_c, entries[1], start, axis=2)
+  )
 
 
 def take_rows(x_BT, rows_BR):
@@ -412,30 +415,26 @@ class Attention(nn.Module):
     mask_BTS=None,
     *,
     kernel: Optional[Callable] = None,
-    cache=None,
-    write_B=None,
-    deterministic=True,
-    window_B=None,
-    defer_write=False,
+    cache: Optional[KVCache] = None,
+    access: Optional[CacheAccess] = None,
     rows_BR=None,
-    old_slots=None,
+    deterministic: bool = True,
   ):
     """Self-attention, or attention over a KV cache.
 
     Without ``cache``: keys are this call's tokens; pass either ``mask_BTS`` or ``kernel``
     (a function (q, k, v) -> out that applies its own mask, e.g. the Pallas LCA kernel).
-    With ``cache`` = (k [B,K,S,E], v [B,K,E,S]): the T new keys go to slots ``write_B`` and the
-    queries attend the whole cache under ``mask_BTS`` [B,T,S], or, with ``window_B``, only the
-    W = mask width slots starting there (the caller guarantees no allowed key lies outside).
-    Returns (out, (k, v)): the new keys/values (no cache), the updated cache, or with
-    ``defer_write`` the new entries (k [B,K,T,E], v [B,K,E,T]) for ``write_kv`` to store later
-    (a caller that runs the step under ``lax.cond`` writes after it: writes inside both branches
-    make XLA copy the caches). ``rows_BR`` [B, R] (indices into T) keeps only those rows'
+    With ``cache`` (a ``KVCache`` or a (k, v) pair) and ``access`` (a ``CacheAccess``: where
+    the T new keys go, which slots are read, whether the write is deferred): the queries attend
+    the cache under ``mask_BTS`` [B, T, S] ([B, T, W] with a window).
+    Returns (out, kv): the new keys and values [B, T, K, E] (no cache), the updated
+    ``KVCache``, or with ``access.defer_write`` the new entries (k [B, K, T, E], v [B, K, E, T])
+    for ``write_kv`` to store later. ``rows_BR`` [B, R] (indices into T) keeps only those rows'
     outputs, [B, R, D] (a caller that reads only some positions after this layer): all T keys
     and values are still computed (and written); over a cache only those rows query.
-    ``old_slots`` (static, no window): only the cache's first that many slots can hold keys
-    written before this call (0 for the first block of empty caches), the only ones read.
     """
+    if (cache is None) != (access is None):
+      raise ValueError("a KV cache needs its CacheAccess and a CacheAccess its cache")
     b, t, d = x_BTD.shape
     h, kv, e = self.n_heads, self.n_kv_heads, self.head_dim
     fused = decode_kernel(self, QKV_KERNEL) if cache is not None else None
@@ -450,28 +449,10 @@ class Attention(nn.Module):
     cos_sin = rope_cos_sin(positions_BT, e, self.rope_base, self.rope_len)  # once for q and k
     q = rope(q, cos_sin)
     k = rope(k, cos_sin)
-    if cache is not None and rows_BR is not None:
-      q, mask_BTS = take_rows(q, rows_BR), take_rows(mask_BTS, rows_BR)
     if cache is not None:
-      k_h, v_h = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1)  # [B, K, T, E], [B, K, E, T]
-      s_len = cache[0].shape[2]
-      start = jnp.clip(write_B, 0, s_len - t)  # where write_rows puts them (clamped)
-      att, att_start = cache, start
-      if window_B is not None:
-        w = mask_BTS.shape[-1]
-        win = lambda c, ax: jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, w, ax))(
-          c, window
-        )
-        window = jnp.clip(window_B, 0, s_len - w)
-        att, att_start = (win(cache[0], 1), win(cache[1], 2)), start - window
-      out = cached_attention(q, k_h, v_h, att, mask_BTS, att_start, old_slots)
-      # The writes must come after the reads, or XLA:CPU copies each cache to write it (twice
-      # per step): a zero that depends on the attention output orders them (an optimization
-      # barrier does not survive XLA:CPU's pipeline). Exact unless the output is not finite.
-      tie = (out[:, :1, :1, :1] * 0).astype(k_h.dtype).transpose(0, 2, 1, 3)
-      new_kv = (k_h + tie, v_h + tie)
-      if not defer_write:
-        new_kv = write_kv(cache, new_kv, write_B)
+      if rows_BR is not None:
+        q, mask_BTS = take_rows(q, rows_BR), take_rows(mask_BTS, rows_BR)
+      out, new_kv = _attend_cache(q, k, v, KVCache(*cache), mask_BTS, access)
     else:
       out = kernel(q, k, v) if kernel is not None else masked_attention(q, k, v, mask_BTS)
       out = out if rows_BR is None else take_rows(out, rows_BR)
@@ -479,6 +460,30 @@ class Attention(nn.Module):
     out = dense(d, "out_proj", ("heads", "embed"), self.dtype)(out.reshape(b, -1, h * e))
     out = nn.Dropout(self.dropout)(out, deterministic=deterministic)
     return out, new_kv
+
+
+def _attend_cache(q_BRHE, k_BTKE, v_BTKE, cache: KVCache, mask_BRS, access: CacheAccess):
+  """``Attention`` over a KV cache: the R queries' outputs [B, R, H, E] and the updated cache
+  (or with ``access.defer_write`` the new entries)."""
+  t = k_BTKE.shape[1]
+  k_h, v_h = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 3, 1)  # [B,K,T,E], [B,K,E,T]
+  s_len = cache.k.shape[2]
+  start = jnp.clip(access.write_B, 0, s_len - t)  # where write_rows puts them (clamped)
+  att, att_start = cache, start
+  if access.window_B is not None:
+    w = mask_BRS.shape[-1]
+    window = jnp.clip(access.window_B, 0, s_len - w)
+    win = lambda c, ax: jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, w, ax))(c, window)
+    att, att_start = KVCache(win(cache.k, 1), win(cache.v, 2)), start - window
+  out = cached_attention(q_BRHE, k_h, v_h, att, mask_BRS, att_start, access.old_slots)
+  # The writes must come after the reads, or XLA:CPU copies each cache to write it (twice
+  # per step): a zero that depends on the attention output orders them (an optimization
+  # barrier does not survive XLA:CPU's pipeline). Exact unless the output is not finite.
+  tie = (out[:, :1, :1, :1] * 0).astype(k_h.dtype).transpose(0, 2, 1, 3)
+  new_kv = KVCache(k_h + tie, v_h + tie)
+  if not access.defer_write:
+    new_kv = write_kv(cache, new_kv, access.write_B)
+  return out, new_kv
 
 
 class SwiGLU(nn.Module):
@@ -513,22 +518,23 @@ class Block(nn.Module):
   rope_len: int = 0
 
   @nn.compact
-  # Not keyword-only: Stack's remat path passes every argument positionally (static_argnums
-  # there count self as 0: kernel is 4, deterministic 7, defer_write 9, old_slots 11).
   def __call__(
     self,
     x,
     positions,
     mask=None,
     kernel=None,
+    deterministic: bool = True,
+    *,
     cache=None,
+    access: Optional[CacheAccess] = None,
     write_B=None,
-    deterministic=True,
-    window_B=None,
-    defer_write=False,
     rows_BR=None,
-    old_slots=None,
   ):
+    """The block over ``Attention``'s arguments. ``kernel`` and ``deterministic`` come
+    positionally from ``Stack``'s remat path (static arguments there); ``write_B`` stands for
+    ``access=CacheAccess(write_B)``."""
+    access = _cache_access(access, write_B)
     attn = Attention(
       self.n_heads,
       self.n_kv_heads,
@@ -545,12 +551,9 @@ class Block(nn.Module):
       mask,
       kernel=kernel,
       cache=cache,
-      write_B=write_B,
-      deterministic=deterministic,
-      window_B=window_B,
-      defer_write=defer_write,
+      access=access,
       rows_BR=rows_BR,
-      old_slots=old_slots,
+      deterministic=deterministic,
     )
     x = (x if rows_BR is None else take_rows(x, rows_BR)) + y
     y = SwiGLU(self.d_inner, self.dtype, name="mlp")(
@@ -561,9 +564,18 @@ class Block(nn.Module):
     return nn.with_logical_constraint(x, ("batch", "length", "embed")), kv
 
 
+def _cache_access(access: Optional[CacheAccess], write_B) -> Optional[CacheAccess]:
+  """``access``, or a plain write at slots ``write_B`` (``Block``'s and ``Stack``'s shorthand)."""
+  if write_B is None:
+    return access
+  if access is not None:
+    raise ValueError("pass either access or write_B, not both")
+  return CacheAccess(write_B)
+
+
 class Stack(nn.Module):
-  """``n_layers`` blocks. ``caches`` is a list of per-layer (k, v) or None (see ``Attention``
-  for what comes back per layer)."""
+  """``n_layers`` blocks, returning (x, per-layer keys and values: see ``Attention`` for what
+  comes back with and without caches)."""
 
   n_layers: int
   n_heads: int
@@ -630,46 +642,37 @@ class Stack(nn.Module):
     *,
     kernel=None,
     caches=None,
+    access: Optional[CacheAccess] = None,
     write_B=None,
-    deterministic=True,
-    window_B=None,
-    defer_write=False,
     rows_BR=None,
-    old_slots=None,
+    deterministic: bool = True,
   ):
-    """``rows_BR`` [B, R] keeps only those positions after the last layer (the output is
-    [B, R, D]; every layer still computes, and over caches writes, all T positions' keys and
-    values). ``old_slots``: see ``Attention``. With ``scan`` (a full forward of more than one
-    layer, all positions kept, parameters already made) the blocks run as one scan and the
-    per-layer keys and values are not returned (None)."""
+    """The blocks in order; over ``caches`` (one ``KVCache`` per layer) each reads and writes
+    its own as ``access`` says (``write_B``: see ``Block``). ``rows_BR`` [B, R] keeps only those
+    positions after the last layer (the output is [B, R, D]; every layer still computes, and
+    over caches writes, all T positions' keys and values). With ``scan`` (a full forward of
+    more than one layer, all positions kept, parameters already made) the blocks run as one
+    scan and the per-layer keys and values are not returned (None)."""
+    access = _cache_access(access, write_B)
     full = caches is None and rows_BR is None
     if self.scan and full and self.n_layers > 1 and not self.is_initializing():
       return self._scanned(x, positions, mask, kernel, deterministic), None
     # remat only saves activation memory for a backward pass: decoding (caches) runs plain
-    # blocks, whose cache writes may be deferred (``defer_write``) out of a ``lax.cond``
+    # blocks, whose cache writes may be deferred (``CacheAccess.defer_write``) out of a
+    # ``lax.cond``
     remat = self.remat and caches is None
-    block_cls = nn.remat(Block, static_argnums=(4, 7, 9, 11)) if remat else Block
+    # static_argnums count self as 0: kernel is 4, deterministic 5
+    block_cls = nn.remat(Block, static_argnums=(4, 5)) if remat else Block
     new_caches = []
     for i in range(self.n_layers):
       rows = rows_BR if i == self.n_layers - 1 else None
       blk = self._block(block_cls, name=f"layer_{i}")
-      cache = None if caches is None else caches[i]
       if remat:
-        args = (kernel, cache, write_B, deterministic, window_B, defer_write, rows, old_slots)
-        x, kv = blk(x, positions, mask, *args)
+        x, kv = blk(x, positions, mask, kernel, deterministic, rows_BR=rows)
       else:
+        cache = None if caches is None else caches[i]
         x, kv = blk(
-          x,
-          positions,
-          mask,
-          kernel=kernel,
-          cache=cache,
-          write_B=write_B,
-          deterministic=deterministic,
-          window_B=window_B,
-          defer_write=defer_write,
-          rows_BR=rows,
-          old_slots=old_slots,
+          x, positions, mask, kernel, deterministic, cache=cache, access=access, rows_BR=rows
         )
       new_caches.append(kv)
     return x, new_caches

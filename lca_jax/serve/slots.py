@@ -39,6 +39,7 @@ from lca_jax.decode.policies import POLICIES, Ctx, LoopState, Plan
 from lca_jax.decode.sampling import SamplingParams
 from lca_jax.model import incremental
 from lca_jax.model.incremental import DecodeState
+from lca_jax.model.kv_cache import KVCache
 
 MIN_BUCKET = 16  # the shortest padded prompt
 ADMIT_ROWS = (1, 4)  # prompts one prefill takes (padded with dropped rows)
@@ -119,7 +120,7 @@ def spans(length: int) -> tuple:
 
 
 # the byte-indexed fields of a DecodeState (axis of L) and the latent-slot ones (axis of S =
-# L + 1); each kv cache is (k [B, KV, L, E], v [B, KV, E, L])
+# L + 1); each kv cache is a KVCache (k [B, KV, L, E], v [B, KV, E, L])
 _BYTE_AXES = dict(ids=1, b=1, g=1)
 _SLOT_AXES = dict(z=1, s=1)
 _KV_BYTES = ("enc", "dec", "mbp")
@@ -130,7 +131,7 @@ def _span_view(st: DecodeState, n: int, fn) -> DecodeState:
   latent-slot one (size n + 1)."""
   new = {k: fn(getattr(st, k), a, n) for k, a in _BYTE_AXES.items()}
   new.update({k: fn(getattr(st, k), a, n + 1) for k, a in _SLOT_AXES.items()})
-  kv = lambda caches, m: tuple((fn(k, 2, m), fn(v, 3, m)) for k, v in caches)
+  kv = lambda caches, m: tuple(KVCache(fn(k, 2, m), fn(v, 3, m)) for k, v in caches)
   new.update({k: kv(getattr(st, k), n) for k in _KV_BYTES})
   new["lm"] = kv(st.lm, n + 1)
   return st.replace(**new)
