@@ -1,13 +1,16 @@
-"""The platform a program is traced for: where backend-specific choices are made.
+"""The platform a program is traced for, and every choice the model makes by platform.
 
-A few choices in the model and the decode engine depend on the backend that runs the program:
-Pallas kernels are interpreted on the CPU and lowered to Triton on GPUs, the CPU runs a
-cached attention of a few columns as matrix-vector products, the blockwise attention runs one
-loop nest per core on the CPU, and the decode executables get XLA:CPU options. Those choices
-ask ``platform()``, which is ``jax.default_backend()`` unless a ``target(...)`` block says which
-platform the program being traced and compiled is for: a deviceless compile for a GPU on a
-GPU-less host (``lca_jax.aot``) runs with jax's CPU backend as the default and traces inside
-``target("gpu")``.
+A few choices in the model and the decode engine depend on the backend that runs the program,
+each a function here that the model calls: Pallas kernels are interpreted on the CPU and
+lowered to Triton on GPUs (``pallas_interpret``), the blockwise attention runs one loop nest
+per core on the CPU (``attention_threads``), the CPU runs a cached attention of a few columns
+as matrix-vector products (``matvec_cache_products``), a long decode block runs the latent LM
+at several widths on the CPU (``several_lm_widths``), GPUs decode with weights stored
+[out, in] (``row_major_kernels``), and the decode executables get XLA:CPU options
+(``lca_jax.xla_options``). Those choices ask ``platform()``, which is ``jax.default_backend()``
+unless a ``target(...)`` block says which platform the program being traced and compiled is
+for: a deviceless compile for a GPU on a GPU-less host (``lca_jax.aot``) runs with jax's CPU
+backend as the default and traces inside ``target("gpu")``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,43 @@ def is_cpu() -> bool:
 def cpu_threads() -> int:
   """Cores the CPU backend runs on (1 on other platforms): independent loop nests per call."""
   return (os.cpu_count() or 1) if is_cpu() else 1
+
+
+def attention_threads() -> int:
+  """Independent loop nests per blockwise attention call when the model config leaves it to
+  the platform (``attn_parallel`` 0): one per core on the CPU, where one nest keeps one core
+  busy; 1 on accelerators."""
+  return cpu_threads()
+
+
+def pallas_interpret() -> bool:
+  """Whether the Pallas kernels run in interpret mode (on the CPU) rather than through Triton."""
+  return is_cpu()
+
+
+def matvec_cache_products(columns: int, max_columns: int) -> bool:
+  """Whether a decode step's products over a KV cache with ``columns`` query columns per
+  (row, kv head) run as one matrix-vector product per column, batched over rows and kv heads,
+  instead of one batched product (``layers.cache_scores`` / ``cache_values``).
+
+  On the CPU, from 2 up to ``max_columns`` columns: XLA:CPU runs the batched product as one
+  small GEMM per (row, kv head), which costs more than the matrix-vector products over the
+  cache in place until the columns are many. One column is the same dot either way;
+  accelerators keep the batched product."""
+  return is_cpu() and 1 < columns <= max_columns
+
+
+# Platforms on which a long decode block runs the latent LM at several widths.
+LM_WIDTHS_BACKENDS = ("cpu",)
+
+
+def several_lm_widths(name: Optional[str] = None) -> bool:
+  """Whether a long decode block (a prefill) runs the latent LM over the fewest of several
+  slot counts that hold its groups (``incremental.lm_widths``) on platform ``name`` (default:
+  ``platform()``). Each width is one more LM to compile: worth it on the CPU, where the LM over
+  a prefill's slots costs about what its compile does; on an accelerator a batch-1 prefill's
+  LM is fast at any width, and compile time is what a run waits on."""
+  return (name or platform()) in LM_WIDTHS_BACKENDS
 
 
 def row_major_kernels() -> bool:

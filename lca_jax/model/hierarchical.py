@@ -40,7 +40,7 @@ class MLPHead(nn.Module):
 
 
 def _pallas_kernel(group_BT, doc_BT):
-  interpret = backend.is_cpu()
+  interpret = backend.pallas_interpret()
   return functools.partial(
     lca_attention, segment_ids=group_BT, doc_ids=doc_BT, impl="pallas", interpret=interpret
   )
@@ -107,7 +107,7 @@ class ByteLM(nn.Module):
     else:
       lo = masks.causal_key_start(doc_BT)
       bq, bk = c.causal_blocks(lo.shape[1])
-    parallel = c.attn_parallel or backend.cpu_threads()
+    parallel = c.attn_parallel or backend.attention_threads()
     return None, functools.partial(
       blockwise_attention, lo_BT=lo, block_q=bq, block_k=bk, parallel=parallel
     )

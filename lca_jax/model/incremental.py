@@ -251,18 +251,15 @@ def _latents(
 # first K/4 or K/2 of its K slots when they hold every row's new groups: a trained model closes
 # about one group per 1 / bp_prior (3) bytes, and the slots past a row's groups are empty.
 # Each width is one more LM to compile (docs/design.md §6.5 has the measured trade-off), so
-# only on the backends where the LM over a prefill's slots costs what its compile does (CPU:
-# 0.75 s over K vs 0.37 s over K/4 at paper scale); on an accelerator a batch-1 prefill's LM
-# takes well under a millisecond at any width, and compile time is what a run waits on.
+# only on the platforms ``backend.several_lm_widths`` names.
 LM_WIDTHS_FROM = 64
-LM_WIDTHS_BACKENDS = ("cpu",)
 
 
-def lm_widths(k: int, backend: str = "cpu") -> tuple:
-  """The slot counts the latent LM may run over for a block of ``k`` bytes per row, ascending
-  (the last is k): K/4 and K/2 rounded up to a multiple of 8, for long blocks on
-  ``LM_WIDTHS_BACKENDS``."""
-  if k < LM_WIDTHS_FROM or backend not in LM_WIDTHS_BACKENDS:
+def lm_widths(k: int, platform: str = "cpu") -> tuple:
+  """The slot counts the latent LM may run over for a block of ``k`` bytes per row on
+  ``platform``, ascending (the last is k): K/4 and K/2 rounded up to a multiple of 8, for long
+  blocks where ``backend.several_lm_widths(platform)``."""
+  if k < LM_WIDTHS_FROM or not backend.several_lm_widths(platform):
     return (k,)
   return _quarter_half(k) + (k,)
 

@@ -302,24 +302,14 @@ def take_rows(x_BT, rows_BR):
   return jnp.take_along_axis(x_BT, idx, axis=1)
 
 
-# On XLA:CPU a product over a cache with several columns per (row, kv head) (its G query heads
-# x T queries) runs as one small Eigen GEMM per (row, kv head), which costs far more than the
-# same products as batched matrix-vector ones: one dot per column (g, t), batched over rows and
-# kv heads, each a matrix-vector product per (row, kv head) over the cache in place. Per
-# attention, 8 chained, prompt 256-512 slots (scratch, 2026-12-03, AVX-512 host): demo model
-# ntp [1 x 2 kv x 559 x 32], G 2, T 1: 60 us batched, 37 one dot per (row, kv head, column)
-# (the previous form: it slices the cache per kv head, a copy), 24 here; T 3: 78 / 76 / 52;
-# batch 4: 215 / 167 / 56; multi-head T 3 [1 x 4 x 387 x 64]: 150 batched, 50 here; batch 8 x 8
-# heads T 3: 4.9 / 2.6 ms. With one column (G 1, T 1) both forms are the same dot; at 8 columns
-# the matrix-vector form ties or wins (75 / 80 us, 89 / 135), at 16 the GEMM wins (215 / 190
-# us; the matrix-vector form first). So a CPU step runs them as matrix-vector products up to
-# this many columns per (row, kv head); accelerators keep the batched product (docs/design.md
-# §6.5).
+# The most query columns (query heads per kv head x queries) per (row, kv head) for which a
+# product over a decode cache may run as one matrix-vector product per column
+# (``backend.matvec_cache_products``: on the CPU; docs/design.md §6.5).
 MATVEC_CACHE_COLUMNS = 8
 
 
 def _matvec_cache_products(g: int, t: int) -> bool:
-  return backend.is_cpu() and 1 < g * t <= MATVEC_CACHE_COLUMNS
+  return backend.matvec_cache_products(g * t, MATVEC_CACHE_COLUMNS)
 
 
 def _column_matvecs(cache_BKMN, vecs_BKGTN):
