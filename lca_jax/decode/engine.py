@@ -191,12 +191,11 @@ def _step(ctx: Ctx, emit, loop: LoopState) -> LoopState:
 
 def _decode_params(plan: Plan, params, dtype):
   """The parameters the decode runs with: with ``plan.fuse_projections``, plus the fused
-  q/k/v and gate/up kernels of ``layers.fuse_decode_params`` (3 dots fewer per layer; 11M
-  model, batch-1 ntp: 0.3 ms less per step). An ``api.Model`` passes them built once
-  (``decode_params``): nothing happens here. Another model object gets them built here, once
-  per call (~12 ms on the 11M model), never inside the loop, where the latent LM's and the
-  MBP window's ``lax.cond`` branches would copy them every step. The weights that every use
-  casts to the compute ``dtype`` are stored in it (``layers.compute_dtype_weights``): a
+  q/k/v and gate/up kernels of ``layers.fuse_decode_params`` (3 dots fewer per layer). An
+  ``api.Model`` passes them built once (``decode_params``): nothing happens here. Another model
+  object gets them built here, once per call, never inside the loop, where the latent LM's and
+  the MBP window's ``lax.cond`` branches would copy them every step. The weights that every
+  use casts to the compute ``dtype`` are stored in it (``layers.compute_dtype_weights``): a
   bfloat16 model's steps read them at 2 bytes each."""
   return decode_weights(params, dtype, plan.fuse_projections)
 

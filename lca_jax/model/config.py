@@ -197,11 +197,9 @@ class ModelConfig:
     """(block_q, block_k) of a causal stack's blockwise attention over ``length`` tokens.
 
     ``attn_block_q`` / ``attn_block_k`` when set; 0 (auto) gives ``CAUSAL_BLOCK_LONG`` (128)
-    from ``CAUSAL_BLOCK_LONG_FROM`` (2048) tokens on and ``CAUSAL_BLOCK`` (64) below. Measured
-    on a 2-core AMD EPYC, one core, 2 heads of 64, fwd+bwd (docs/design.md §3.3): T 4096 one
-    document 0.280 -> 0.237 s with 128, T 4096 in ~1500-byte documents 0.146 -> 0.133 s; T 1024
-    0.066 vs 0.063 s (one document) and 0.057 vs 0.061 s (600-byte documents); T 390 0.030 vs
-    0.041 s (a 128 block wastes more of the diagonal tile on a short sequence)."""
+    from ``CAUSAL_BLOCK_LONG_FROM`` (2048) tokens on and ``CAUSAL_BLOCK`` (64) below: the
+    larger block is faster on long sequences and wastes more of the diagonal tile on short
+    ones (docs/design.md §3.3)."""
     auto = CAUSAL_BLOCK_LONG if length >= CAUSAL_BLOCK_LONG_FROM else CAUSAL_BLOCK
     return self.attn_block_q or auto, self.attn_block_k or auto
 

@@ -490,7 +490,7 @@ def mbp_copies(cfg: ModelConfig, params, state: DecodeState, n_copies: int):
 MBP_WINDOW = 128  # cache slots the LCA-MBP head attends per step when every query's keys fit
 # A cache shorter than this many windows is attended whole: below it the window saves less
 # than its ``lax.cond`` (a host-synchronizing branch, two copies of the stack) costs a small
-# model's step (the demo model's threshold step: 515 -> 455 ops, see docs/design.md §6.5).
+# model's step (docs/design.md §6.5).
 MBP_WINDOW_FROM = 4
 
 

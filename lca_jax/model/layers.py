@@ -30,8 +30,7 @@ class Dense(nn.Module):
 
   The product runs on x flattened to [tokens, in]: with a [B, T, in] input, autodiff's weight
   gradient would contract over two axes (B and T), for which XLA:CPU lays the activation
-  gradient out transposed through a slow strided fusion (measured: 1.7x the whole MLP's
-  forward + backward at [4, 1024, 256] x [256, 1024]); one contracting axis needs no copy.
+  gradient out transposed through a slow strided fusion; one contracting axis needs no copy.
   """
 
   features: int
@@ -95,13 +94,12 @@ def fuse_decode_params(params):
   """``params`` plus, in every attention (MLP) scope, ``QKV_KERNEL`` ([D, (H + 2K) E], the
   q, k, v kernels concatenated along the output axis) and ``GATE_UP_KERNEL`` ([D, 2F]).
 
-  Decoding a few rows is bound by per-dot overhead, not by bandwidth (XLA:CPU, batch-1 steps of
-  an 11M model: ~64 dots of 30-60 us each): one dot against the fused kernel replaces three
-  (two). ``api.Model.decode_params`` builds it once per model; the decode engine calls this
-  (a no-op on a tree that has them) once per generate call, outside its ``while_loop``: a
-  concatenate written inside the step would be hoisted out of the loop body by XLA, but not
-  out of the ``lax.cond`` branches that run the latent LM and the windowed LCA-MBP head, so it
-  would copy those weights every step. The original parameters are kept (same tree, names and
+  Decoding a few rows is bound by per-dot overhead, not by bandwidth: one dot against the
+  fused kernel replaces three (two). ``api.Model.decode_params`` builds it once per model; the
+  decode engine calls this (a no-op on a tree that has them) once per generate call, outside
+  its ``while_loop``: a concatenate written inside the step would be hoisted out of the loop
+  body by XLA, but not out of the ``lax.cond`` branches that run the latent LM and the
+  windowed LCA-MBP head, so it would copy those weights every step. The original parameters are kept (same tree, names and
   layout: checkpoints, converter and sharding never see the fused ones); the cache path of
   ``Attention`` and ``SwiGLU`` uses a fused kernel when its scope has one. Boxed (partitioned)
   kernels are unboxed; the fused kernels are plain arrays.
@@ -130,9 +128,8 @@ def compute_dtype_weights(params, dtype):
   kernels, the embedding table; not norms, biases, the null group or the boundary predictor)
   stored in ``dtype``. Exact: each use would make the same cast. For decoding, where a
   bfloat16 model's step then reads 2 bytes per weight instead of 4: XLA leaves a cast of a
-  loop-invariant weight inside the decode loop's body (seen on XLA:CPU: 32 weight-size
-  float32 -> bfloat16 converts per step of a 60M model). A float32 ``dtype`` returns
-  ``params`` itself."""
+  loop-invariant weight inside the decode loop's body (on XLA:CPU: a weight-size float32 ->
+  bfloat16 convert per weight per step). A float32 ``dtype`` returns ``params`` itself."""
   dtype = jnp.dtype(dtype)
   if dtype == jnp.float32:
     return params

@@ -1,12 +1,10 @@
 """Row views for the model's per-row products and reductions.
 
-XLA:CPU (jaxlib 0.10.2) sends a product reduced over the last axis to a YNNPACK fusion, which
-runs 10-20x slower when the array's leading axis is 1: ``sum(x * y, -1)`` over f32
-[1, 4096, 256] 3.1-3.3 ms, over the same data as [4096, 256] 0.16-0.34 ms (2-core AMD EPYC VM;
-[4, 1024, 256] 0.3 ms). A leading axis of 1 is the batch of a micro-batch of one row (the
-paper's setting) and of every tensor-split step, and autodiff adds such reductions for
-every RMSNorm (the gradients of its scale and its input), the pooling weights and the
-attention backward. Computing those on a view with the leading axes merged keeps XLA's
+XLA:CPU sends a product reduced over the last axis to a YNNPACK fusion, which runs many times
+slower when the array's leading axis is 1 than over the same data with the leading axes
+merged. A leading axis of 1 is the batch of a micro-batch of one row (the paper's setting) and
+of every tensor-split step, and autodiff adds such reductions for every RMSNorm (the gradients
+of its scale and its input), the pooling weights and the attention backward. Computing those on a view with the leading axes merged keeps XLA's
 program free of them; values and gradients are the same (docs/design.md §5.3).
 """
 
