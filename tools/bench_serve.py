@@ -24,110 +24,21 @@ client count over bytes/s at the smallest. Bounded: at most ``MAX_CLIENTS`` clie
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import json
 import os
 import shlex
 import sys
-import threading
-import time
-import urllib.parse
-
-import httpx
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
+if ROOT not in sys.path:  # lca_jax from this checkout, installed or not
   sys.path.insert(0, ROOT)
 
+from lca_jax.bench import args as bargs  # noqa: E402
+from lca_jax.bench import report  # noqa: E402
+from lca_jax.bench.serve import is_loopback_url, prompt_text, run  # noqa: E402
 from lca_jax.serve.process import ServerProcess  # noqa: E402
 
 MAX_CLIENTS = 256
 MAX_REQUESTS = 4096
-WORDS = "the quick brown fox jumps over lazy dogs while hackers read the jargon file".split()
-
-
-def prompt_text(n_bytes: int, client: int) -> str:
-  """``n_bytes`` bytes of ASCII words, different for each client."""
-  words = [WORDS[(client * 7 + i * 3) % len(WORDS)] for i in range(n_bytes)]
-  return (f"{client} " + " ".join(words))[:n_bytes]
-
-
-def is_loopback_url(url: str) -> bool:
-  host = urllib.parse.urlsplit(url).hostname or ""
-  if host == "localhost":
-    return True
-  try:
-    return ipaddress.ip_address(host).is_loopback
-  except ValueError:
-    return False
-
-
-def one_request(http: httpx.Client, url: str, body: dict) -> dict:
-  """One streaming completion: times of the first and last text events, bytes generated."""
-  t0 = time.perf_counter()
-  first = last = None
-  n_bytes, error = 0, None
-  with http.stream("POST", url + "/v1/completions", json=body) as r:
-    if r.status_code != 200:
-      r.read()
-      return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
-    for line in r.iter_lines():
-      if not line.startswith("data: ") or line == "data: [DONE]":
-        continue
-      ev = json.loads(line[6:])
-      if "error" in ev:
-        error = ev["error"]["message"]
-        continue
-      if ev.get("usage"):
-        n_bytes = ev["usage"]["completion_tokens"]
-      if any(c.get("text") for c in ev.get("choices", [])):
-        now = time.perf_counter()
-        first = now if first is None else first
-        last = now
-  if error or first is None:
-    return {"error": error or "no text"}
-  return {"ttfb_s": first - t0, "span_s": last - first, "bytes": n_bytes, "total_s": last - t0}
-
-
-def run_round(url: str, clients: int, requests: int, body: dict, timeout: float) -> dict:
-  results = [[] for _ in range(clients)]
-
-  def client(i):
-    with httpx.Client(timeout=timeout) as http:
-      for _ in range(requests):
-        results[i].append(one_request(http, url, {**body, "prompt": body["prompt"][i]}))
-
-  threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-  cpu0 = time.process_time()
-  t0 = time.perf_counter()
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
-  wall = time.perf_counter() - t0
-  cpu = time.process_time() - cpu0
-  flat = [r for rs in results for r in rs]
-  ok = [r for r in flat if "error" not in r]
-  ttfb = np.array([r["ttfb_s"] for r in ok])
-  per_byte = np.array([r["span_s"] / (r["bytes"] - 1) for r in ok if r["bytes"] > 1])
-  pct = lambda a, q: float(np.percentile(a, q)) * 1e3 if a.size else None
-  total_bytes = sum(r["bytes"] for r in ok)
-  return {
-    "clients": clients,
-    "requests": len(flat),
-    "errors": len(flat) - len(ok),
-    "error_examples": sorted({r["error"] for r in flat if "error" in r})[:3],
-    "wall_s": wall,
-    "requests_per_s": len(ok) / wall,
-    "bytes": total_bytes,
-    "bytes_per_s": total_bytes / wall,
-    "ttfb_ms_p50": pct(ttfb, 50),
-    "ttfb_ms_p99": pct(ttfb, 99),
-    "per_byte_ms_p50": pct(per_byte, 50),
-    "per_byte_ms_p99": pct(per_byte, 99),
-    "client_cpu_s": cpu,
-  }
 
 
 def parse_args(argv=None):
@@ -148,7 +59,7 @@ def parse_args(argv=None):
   ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
   args = ap.parse_args(argv)
   try:
-    args.client_counts = [int(x) for x in args.clients.split(",") if x.strip()]
+    args.client_counts = bargs.int_list(args.clients)
   except ValueError:
     ap.error(f"--clients must be comma-separated integers, got {args.clients!r}")
   if not args.client_counts or not all(1 <= c <= MAX_CLIENTS for c in args.client_counts):
@@ -179,25 +90,19 @@ def main(argv=None):
     url = server.url
   else:
     url = args.url.rstrip("/")
+  body = {
+    "prompt": [prompt_text(args.prompt_bytes, i) for i in range(max(args.client_counts))],
+    "max_tokens": args.max_tokens,
+    "temperature": args.temperature,
+    "mode": args.mode,
+    "mbp_n": args.mbp_n,
+    "tau": args.tau,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+  }
   try:
-    n = max(args.client_counts)
-    body = {
-      "prompt": [prompt_text(args.prompt_bytes, i) for i in range(n)],
-      "max_tokens": args.max_tokens,
-      "temperature": args.temperature,
-      "mode": args.mode,
-      "mbp_n": args.mbp_n,
-      "tau": args.tau,
-      "ignore_eos": True,
-      "stream": True,
-      "stream_options": {"include_usage": True},
-    }
-    with httpx.Client(timeout=args.timeout) as http:  # warm-up: compiles the mode's programs
-      warm = one_request(http, url, {**body, "prompt": body["prompt"][0]})
-      if "error" in warm:
-        raise SystemExit(f"bench_serve: the warm-up request failed: {warm['error']}")
-      model = http.get(url + "/v1/models").json()["data"][0]["id"]
-    rounds = [run_round(url, c, args.requests, body, args.timeout) for c in args.client_counts]
+    model, rounds = run(url, args.client_counts, args.requests, body, args.timeout)
   finally:
     if server is not None:
       server.stop()
@@ -216,8 +121,7 @@ def main(argv=None):
     "ratio_of": [lo["clients"], hi["clients"]],
     "cpu_count": os.cpu_count(),
   }
-  print(json.dumps(out, indent=1))
-  return out
+  return report.print_json(out)
 
 
 if __name__ == "__main__":
