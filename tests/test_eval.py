@@ -1,8 +1,9 @@
-"""Evaluation: metrics, IFEval checkers, bpb, tasks end to end, sweeps and lca-eval errors.
+"""Evaluation: ROUGE, lm-eval's IFEval / CoQA scorers offline, bpb, tasks end to end, sweeps and
+lca-eval errors.
 
 Decoder compiles dominate on CPU, so every real-model generation uses the same shapes
 (threshold mode, n=3, batch 2, max_bytes 16, greedy, prompts of 65..128 bytes): one compile
-for all four tasks and the sweep.  Mode-specific bookkeeping (ntp, verify, drafter) and the
+for summarization and the sweep, one for the three tasks lm-eval scores.  Mode-specific bookkeeping (ntp, verify, drafter) and the
 IFEval sampling settings are tested with a stand-in model.
 """
 
@@ -21,7 +22,8 @@ from lca_jax import vocab
 from lca_jax.cli import eval as cli
 from lca_jax.decode import policies
 from lca_jax.decode.engine import DecodeError, GenerateResult
-from lca_jax.eval import bpb, ifeval, metrics, plots, sweep, tasks
+from lca_jax.eval import bpb, metrics, plots, sweep, tasks
+from lca_jax.eval.lm_eval_tasks import offline, squad_metrics
 
 SUMM = [
   {
@@ -123,35 +125,38 @@ def run_cli(capsys, *args):
 
 
 # ---- metrics ------------------------------------------------------------------------------
-def test_rouge_bleu_chrf_hand_values():
+def test_rouge_hand_values():
   r = metrics.rouge(["the cat sat"], ["the cat sat on the mat"])
   assert r["rouge1"] == pytest.approx(100 * 2 / 3)  # P 3/3, R 3/6
   assert r["rouge2"] == pytest.approx(100 * 2 * 0.4 / 1.4)  # P 2/2, R 2/5
   assert r["rougeL"] == pytest.approx(100 * 2 / 3)
   assert metrics.rouge(["same text here"], ["same text here"])["rouge2"] == pytest.approx(100)
   assert metrics.rouge(["alpha beta"], ["gamma delta"])["rouge1"] == 0
-  s = "the quick brown fox jumps over the lazy dog"
-  assert metrics.bleu([s], [s]) == pytest.approx(100)
-  assert metrics.bleu(["aaa bbb ccc ddd"], [s]) == 0
-  assert metrics.chrf([s], [s]) == pytest.approx(100)
-  assert 0 < metrics.chrf(["the quick brown cat"], [s]) < 100
   with pytest.raises(ValueError):
-    metrics.bleu(["a"], ["a", "b"])
+    metrics.rouge(["a"], ["a", "b"])
 
 
-def test_coqa_normalisation_and_f1():
-  assert metrics.normalize_answer("The  Cat, sat!") == "cat sat"
-  assert metrics.normalize_answer("An apple a day; THE end.") == "apple day end"
-  assert metrics.normalize_answer("theater") == "theater"  # articles only as whole words
-  assert metrics.f1_score("the red ball", "A red ball!") == 1.0
-  assert metrics.f1_score("red ball", "ball red big") == pytest.approx(0.8)  # P 2/3, R 1
-  assert metrics.f1_score("", "") == 1.0
-  assert metrics.f1_score("a", "x") == 0.0  # gold normalises to nothing
-  assert metrics.f1_score("cat", "dog") == 0.0
-  assert metrics.exact_match("The Cat.", "cat") == 1
-  turn = metrics.coqa_turn_scores(["red", "red ball"], "red")  # leave-one-out: (2/3 + 1) / 2
-  assert turn["f1"] == pytest.approx((2 / 3 + 1) / 2) and turn["em"] == pytest.approx(0.5)
-  assert metrics.coqa(["red", "no"], [["red"], ["yes"]]) == {"f1": 50.0, "em": 50.0}
+def test_coqa_scorer_offline():
+  """lm-eval's CoQA scorer imports transformers 4's squad_metrics; the stand-in answers."""
+  offline.squad_metrics()
+  from lm_eval.tasks.coqa import utils as coqa
+
+  assert squad_metrics.normalize_answer("An apple a day; THE end.") == "apple day end"
+  assert squad_metrics.normalize_answer("theater") == "theater"  # articles only as whole words
+  assert squad_metrics.compute_f1("red ball", "ball red big") == pytest.approx(0.8)
+  assert squad_metrics.compute_f1("", "") == 1.0 and squad_metrics.compute_f1("a", "x") == 0.0
+  doc = {
+    "story": "s",
+    "questions": {"input_text": ["q1", "q2"]},
+    "answers": {"input_text": ["a1", "red"]},
+    "additional_answers": {
+      "0": {"input_text": ["a1", "red ball"]},
+      "1": {"input_text": ["", "Red"]},
+    },
+  }
+  assert coqa.doc_to_target(doc) == ["red", "red ball"]  # "Red" is "red" again
+  s = coqa.process_results(doc, ["red\nmore"])  # the first line; leave-one-out: (2/3 + 1) / 2
+  assert s["f1"] == pytest.approx((2 / 3 + 1) / 2) and s["em"] == pytest.approx(0.5)
 
 
 IFEVAL_CASES = [
@@ -238,32 +243,49 @@ IFEVAL_CASES = [
     "THE BIG dog",
     "The BIG dog",
   ),
-  ("change_case:english_capital", {}, "ALL CAPS 1", "Not caps"),
+  ("change_case:english_capital", {}, "THIS ANSWER IS WRITTEN IN CAPITAL LETTERS", "Not caps"),
   ("change_case:english_lowercase", {}, "all lower", "Not lower"),
   ("punctuation:no_comma", {}, "no commas here", "a, b"),
+  (
+    "language:response_language",
+    {"language": "es"},
+    "Hola amigo, como estas? Muy bien, gracias por preguntar.",
+    "Hello my friend, how are you today? Very well, thanks.",
+  ),
 ]
+
+
+def _ifeval(iid, kw, response, loose=False):
+  offline.prepare()  # NLTK's punkt_tab from the installed package, langdetect seeded
+  from lm_eval.tasks.ifeval import utils as ifeval
+
+  inp = ifeval.InputExample(key=0, instruction_id_list=[iid], prompt="Say hi.", kwargs=[kw])
+  check = (
+    ifeval.test_instruction_following_loose if loose else ifeval.test_instruction_following_strict
+  )
+  return check(inp, response).follow_all_instructions
 
 
 @pytest.mark.parametrize(
   "iid,kw,good,bad", IFEVAL_CASES, ids=[c[0] + str(i) for i, c in enumerate(IFEVAL_CASES)]
 )
 def test_ifeval_checkers(iid, kw, good, bad):
-  assert ifeval.check(iid, good, kw)
-  assert not ifeval.check(iid, bad, kw)
+  assert _ifeval(iid, kw, good)
+  assert not _ifeval(iid, kw, bad)
 
 
-def test_ifeval_every_checker_is_tested_and_loose_rules():
-  assert {c[0] for c in IFEVAL_CASES} == set(ifeval.CHECKERS)
+def test_ifeval_covers_every_instruction_type_offline_and_loose_rules():
+  offline.prepare()
+  from lm_eval.tasks.ifeval import instructions_registry
+
+  assert len(instructions_registry.INSTRUCTION_DICT) == 25
+  assert {c[0] for c in IFEVAL_CASES} == set(instructions_registry.INSTRUCTION_DICT)
   resp = "Sure, here it is:\n\"quoted\"\nHope this helps!"
-  assert not ifeval.check("startend:quotation", resp, {})
-  assert ifeval.check("startend:quotation", resp, {}, loose=True)  # first and last line removed
-  assert ifeval.check("startend:quotation", '*"x"*', {}, loose=True)  # asterisks stripped
-  assert not ifeval.check("startend:quotation", '*"x"*', {})
-  assert not ifeval.check("punctuation:no_comma", "   ", {}, loose=True)  # empty never follows
-  res = ifeval.evaluate(IFE, ["cats and dogs play", "Hola amigo"])
-  assert res["unsupported"] == {"language:response_language": 1}
-  assert res["n_instructions"] == 3 and res["n_prompts"] == 2
-  assert res["instruction_loose"] == pytest.approx(200 / 3) and res["prompt_loose"] == 50.0
+  assert not _ifeval("startend:quotation", {}, resp)
+  assert _ifeval("startend:quotation", {}, resp, loose=True)  # first and last line removed
+  assert _ifeval("startend:quotation", {}, '*"x"*', loose=True)  # asterisks stripped
+  assert not _ifeval("startend:quotation", {}, '*"x"*')
+  assert not _ifeval("punctuation:no_comma", {}, "   ", loose=True)  # empty never follows
 
 
 def test_pareto_front():

@@ -7,6 +7,10 @@
     lca-eval sweep --checkpoints DIR [DIR ...] --task T --data FILE --out DIR
                    [--taus 0.7,0.8,0.9] [--ns 3,4,5,6,7,8] [--modes ntp,threshold,verify,drafter]
 
+tasks and sweep generate translation, qa (CoQA) and ifeval through lm-evaluation-harness (its
+scorers, lca_jax/eval/lm_eval_tasks) and summarization directly (ROUGE); every run also reports
+the acceptance rate and bytes/s of its decoding.
+
 Each command takes --dtype float32|bfloat16: the compute dtype to evaluate in (default: the
 checkpoint's; on a CPU, float32 for a bfloat16 checkpoint).
 

@@ -2,15 +2,20 @@
 
 Each run decodes every prompt of a jsonl file with ``Model.generate`` (batched) and reports the
 task quality together with the acceptance rate and the throughput of that same run.
+Translation, QA and IFEval are generated and scored by lm-evaluation-harness (the task YAMLs of
+:mod:`lca_jax.eval.lm_eval_tasks`, lm-eval's metrics, ``--model lca_jax`` decoding);
+summarization (which lm-eval lacks) is decoded here and scored with ROUGE.
 
-=============  ===================  ===========================================  ===============
-task           prompt format        metrics (headline first)                     decoding
-=============  ===================  ===========================================  ===============
-summarization  summarization        rougeL, rouge1, rouge2, rougeLsum (F, x100)  greedy
-translation    translation          bleu, chrf                                   greedy
-qa             qa (CoQA as chat)    f1, em (official CoQA normalisation)         greedy
-ifeval         ifeval (chat)        instruction_loose, prompt_loose, strict      T=0.7, top-p 0.9
-=============  ===================  ===========================================  ===============
+=============  ===================  ================================================  ==========
+task           prompt format        metrics (headline first, x100)                    decoding
+=============  ===================  ================================================  ==========
+summarization  summarization        rougeL, rouge1, rouge2, rougeLsum (F)             greedy
+translation    translation          bleu, chrf (lm-eval, sacrebleu)                   greedy
+qa             qa (CoQA as chat)    f1, em (lm-eval's CoQA, every turn scored)        greedy
+ifeval         ifeval (chat)        inst_level_loose_acc, inst_level_strict_acc,      T=0.7,
+                                    prompt_level_loose_acc, prompt_level_strict_acc   top-p 0.9
+                                    (lm-eval's IFEval, all 25 instruction types)
+=============  ===================  ================================================  ==========
 
 Prompt formats are those of :mod:`lca_jax.data.sft_format`.  The paper reports COMET for translation;
 COMET needs a neural model and is not computed here (BLEU and chrF are).
@@ -27,7 +32,6 @@ NT byte, drafter mode the drafted bytes the verifier kept), at most ``max_candid
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import math
@@ -42,7 +46,8 @@ from lca_jax.data.errors import DataError
 from lca_jax.data.readers import read_file_bytes
 from lca_jax.decode import engine, policies
 from lca_jax.errors import LcaError
-from lca_jax.eval import ifeval, metrics
+from lca_jax.eval import metrics
+from lca_jax.eval.tally import Tally
 
 TASKS = ("summarization", "translation", "qa", "ifeval")
 TASK_FORMAT = {
@@ -55,8 +60,10 @@ HEADLINE = {
   "summarization": "rougeL",
   "translation": "bleu",
   "qa": "f1",
-  "ifeval": "instruction_loose",
+  "ifeval": "inst_level_loose_acc",
 }
+# scored by lm-evaluation-harness (lca_jax/eval/lm_eval_tasks); summarization here (ROUGE)
+LM_EVAL_TASKS = ("translation", "qa", "ifeval")
 DEFAULT_MAX_BYTES = {"summarization": 512, "translation": 256, "qa": 64, "ifeval": 1024}
 SAMPLING = {"ifeval": dict(temperature=0.7, top_p=0.9)}  # everything else: greedy
 
@@ -137,75 +144,18 @@ def load_examples(
 
 
 def score(task: str, predictions: Sequence[str], examples: Sequence[Example]) -> Dict[str, Any]:
-  """Task metrics (0-100) of ``predictions`` against ``examples``."""
+  """Summarization's ROUGE (0-100) of ``predictions`` against ``examples`` (the other tasks are
+  scored by lm-eval: :mod:`lca_jax.eval.lm_eval_tasks`)."""
   check_task(task)
+  if task in LM_EVAL_TASKS:
+    raise TaskError(f"{task} is scored by lm-eval (lca_jax.eval.lm_eval_tasks), not here")
   preds = [p.strip() for p in predictions]
-  if task == "summarization":
-    return metrics.rouge(preds, [e.references[0] for e in examples])
-  if task == "translation":
-    refs = [e.references[0] for e in examples]
-    return {"bleu": metrics.bleu(preds, refs), "chrf": metrics.chrf(preds, refs)}
-  if task == "qa":
-    return metrics.coqa(preds, [e.references for e in examples])
-  return ifeval.evaluate([e.record for e in examples], list(predictions))
+  return metrics.rouge(preds, [e.references[0] for e in examples])
 
 
 def _bucket(n: int) -> int:
   """Prompt padding: the next power of two (>= 32), so few decoder shapes get compiled."""
   return max(32, 1 << (int(n) - 1).bit_length())
-
-
-@dataclasses.dataclass
-class _Tally:
-  """The decoding figures of one run, added up over its batches (real rows only)."""
-
-  policy: policies.Policy
-  committed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-  accepted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-  gen_bytes: int = 0
-  steps: int = 0
-  elapsed_s: float = 0.0
-  compile_s: float = 0.0
-  compiles: int = 0
-  acc_num: float = 0.0  # acceptance rate x steps x rows, summed
-  acc_den: float = 0.0
-  latent_num: float = 0.0  # latent steps per byte x bytes, summed
-
-  def add(self, res, real: int, compiled: bool):
-    """One ``generate`` result whose first ``real`` rows are examples (the rest padding);
-    ``compiled``: the call compiled a new executable (its compile time counts)."""
-    if compiled:
-      self.compile_s += res.compile_s
-      self.compiles += 1
-    self.elapsed_s += res.elapsed_s
-    self.steps += res.steps
-    for j in range(real):
-      nb = int(np.sum((res.ids[j] >= 3) & (res.ids[j] < 259)))
-      self.gen_bytes += nb
-      self.latent_num += res.latent_steps_per_byte * nb
-      for c in res.accepted_per_step[j]:
-        self.committed[c] += 1
-        if self.policy.multi_byte:  # the candidates among them, as the loop counts them
-          self.accepted[max(c - self.policy.head_bytes, 0)] += 1
-    if self.policy.multi_byte and not math.isnan(res.acceptance_rate):
-      w = sum(len(r) for r in res.accepted_per_step)  # steps x rows: proposals per step fixed
-      self.acc_num += res.acceptance_rate * w
-      self.acc_den += w
-
-  def figures(self) -> Dict[str, Any]:
-    nan = float("nan")
-    return {
-      "acceptance_rate": self.acc_num / self.acc_den if self.acc_den else nan,
-      "bytes_per_s": self.gen_bytes / self.elapsed_s if self.elapsed_s > 0 else nan,
-      "generated_bytes": self.gen_bytes,
-      "steps": self.steps,
-      "elapsed_s": self.elapsed_s,
-      "compile_s": self.compile_s,
-      "compiles": self.compiles,
-      "latent_steps_per_byte": self.latent_num / self.gen_bytes if self.gen_bytes else nan,
-      "committed_hist": {int(k): v for k, v in sorted(self.committed.items())},
-      "accepted_hist": {int(k): v for k, v in sorted(self.accepted.items())},
-    }
 
 
 def _sampling(task: str, temperature: Optional[float], top_p: Optional[float]) -> dict:
@@ -217,6 +167,59 @@ def _sampling(task: str, temperature: Optional[float], top_p: Optional[float]) -
   if top_p is not None:
     samp["top_p"] = float(top_p)
   return samp
+
+
+def _decode(
+  model, task, examples, mode, tau, n, max_bytes, batch_size, drafter, seed, samp, progress
+):
+  """Generate every example with ``model.generate`` in batches; (texts, tally)."""
+  # shortest prompts first: a batch pads to its longest, so like lengths share batches
+  order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids))
+  batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+  texts: List[Optional[str]] = [None] * len(examples)
+  tally = Tally(policies.POLICIES[mode])
+  it = tqdm(batches, desc=f"{task}/{mode}", unit="batch", leave=False) if progress else batches
+  for bi, idx in enumerate(it):
+    rows = list(idx) + [idx[0]] * (batch_size - len(idx))  # a last partial batch is padded
+    prompts = [examples[i].prompt_ids for i in rows]
+    before = engine.compiled_count()
+    res = model.generate(
+      prompts,
+      mode=mode,
+      tau=tau,
+      n=n,
+      max_bytes=max_bytes,
+      seed=seed + bi,
+      drafter=drafter,
+      pad_to=_bucket(max(len(p) for p in prompts)),
+      **samp,
+    )
+    tally.add(res, len(idx), engine.compiled_count() > before)
+    for j, i in enumerate(idx):
+      texts[i] = res.texts[j]
+  return texts, tally
+
+
+def _run_lm_eval(model, task, examples, mode, tau, n, max_bytes, batch_size, drafter, seed, samp):
+  """Generate and score through lm-eval (``lca_jax.eval.lm_eval_tasks``); (texts, scores,
+  tally)."""
+  # lazy: lm-eval is optional (the eval extra) and takes seconds to import
+  from lca_jax.eval import lm_eval_adapter, lm_eval_tasks  # pylint: disable=g-import-not-at-top
+
+  lm = lm_eval_adapter.LcaJaxLM(
+    model=model,
+    mode=mode,
+    n=n,
+    tau=tau,
+    batch_size=batch_size,
+    drafter=drafter,
+    seed=seed,
+    eos_tag=lm_eval_tasks.EOS_TAG,
+  )
+  scores, texts = lm_eval_tasks.evaluate(
+    lm, task, examples, max_bytes, samp["temperature"], samp["top_p"]
+  )
+  return texts, scores, lm.tally
 
 
 def run_task(
@@ -242,31 +245,15 @@ def run_task(
   policy = policies.POLICIES[mode]
   max_bytes = int(max_bytes or DEFAULT_MAX_BYTES[task])
   samp = _sampling(task, temperature, top_p)
-  # shortest prompts first: a batch pads to its longest, so like lengths share batches
-  order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids))
-  batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-  texts: List[Optional[str]] = [None] * len(examples)
-  tally = _Tally(policy)
-  it = tqdm(batches, desc=f"{task}/{mode}", unit="batch", leave=False) if progress else batches
-  for bi, idx in enumerate(it):
-    rows = list(idx) + [idx[0]] * (batch_size - len(idx))  # a last partial batch is padded
-    prompts = [examples[i].prompt_ids for i in rows]
-    before = engine.compiled_count()
-    res = model.generate(
-      prompts,
-      mode=mode,
-      tau=tau,
-      n=n,
-      max_bytes=max_bytes,
-      seed=seed + bi,
-      drafter=drafter,
-      pad_to=_bucket(max(len(p) for p in prompts)),
-      **samp,
+  if task in LM_EVAL_TASKS:
+    texts, scores, tally = _run_lm_eval(
+      model, task, examples, mode, tau, n, max_bytes, batch_size, drafter, seed, samp
     )
-    tally.add(res, len(idx), engine.compiled_count() > before)
-    for j, i in enumerate(idx):
-      texts[i] = res.texts[j]
-  scores = score(task, texts, examples)
+  else:
+    texts, tally = _decode(
+      model, task, examples, mode, tau, n, max_bytes, batch_size, drafter, seed, samp, progress
+    )
+    scores = score(task, texts, examples)
   metric = metric or HEADLINE[task]
   if metric not in scores:
     raise TaskError(
