@@ -6,9 +6,10 @@ import argparse
 import sys
 
 from lca_jax import configs_io
+from lca_jax.errors import LcaError
 
 
-class BenchError(ValueError):
+class BenchError(LcaError, ValueError):
   """Bad input: reported in one line, exit status 2."""
 
 
