@@ -20,7 +20,7 @@ from lca_jax.interop.errors import CheckpointError
 from lca_jax.model.config import DTYPES, ConfigError, ModelConfig
 from lca_jax.model.hierarchical import ByteLM, init_params
 from lca_jax.model.layers import decode_weights
-from lca_jax.train import checkpoint
+from lca_jax.workdir import params as workdir_params
 
 __all__ = ["LoadError", "Model", "load", "load_upstream"]
 
@@ -149,9 +149,9 @@ def _load(path: str, step: Optional[int]) -> Model:
       return load_upstream(path)
     except CheckpointError as e:
       raise LoadError(str(e)) from e
-  if checkpoint.is_workdir(path):
+  if workdir_params.is_workdir(path):
     try:
-      cfg, params = checkpoint.load_for_inference(path, step=step)
+      cfg, params = workdir_params.load_for_inference(path, step=step)
     except ConfigError as e:  # a damaged or hand-edited train_config.json, named
       raise LoadError(str(e)) from None
     try:

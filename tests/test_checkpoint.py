@@ -26,6 +26,7 @@ from lca_jax.train import (
   run_config,  # noqa: E402
 )
 from lca_jax.train.errors import TrainError  # noqa: E402
+from lca_jax.workdir import params as workdir_params  # noqa: E402
 
 # Shared with tests/test_train.py (conftest.TRAIN_TINY): both files share one compiled step.
 TINY = TRAIN_TINY
@@ -94,7 +95,7 @@ def test_resume_on_other_mesh_continues(saved, tmp_path):
 
 
 def test_load_workdir_for_inference(saved):
-  assert ckpt_lib.is_workdir(saved["workdir"])
+  assert workdir_params.is_workdir(saved["workdir"])
   model = lca_jax.load(saved["workdir"])
   assert model.cfg.d_model == 32
   for a, b in zip(
@@ -141,9 +142,9 @@ def test_a_checkpoint_of_another_model_is_named_and_kept(saved, tmp_path):
   detail = r" describes \(\['boundary_predictor'\]\['fc1'\]\['bias'\] stored \(64,\), the model"
   with pytest.raises(lca_jax.LoadError, match=words + detail + r" has \(96,\); .*\(\+12 more\)"):
     lca_jax.load(wd)
-  with pytest.raises(ckpt_lib.CheckpointModelError, match=words):
+  with pytest.raises(workdir_params.CheckpointModelError, match=words):
     loop.train_and_evaluate(tiny_config("train.steps=3", "mesh.data=8", "model.d_inner=96"), wd)
-  assert sorted(os.listdir(os.path.join(wd, ckpt_lib.CKPT_DIR))) == ["2"]
+  assert sorted(os.listdir(os.path.join(wd, workdir_params.CKPT_DIR))) == ["2"]
   assert not os.path.exists(os.path.join(wd, ckpt_lib.CORRUPT_DIR))
 
 

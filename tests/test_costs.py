@@ -11,8 +11,8 @@ from lca_jax.model.attention import LOOPS_PER_BLOCK, blockwise_attention
 from lca_jax.model.config import ConfigError
 from lca_jax.model.hierarchical import ByteLM
 from lca_jax.model.loss import compute_loss
+from lca_jax.param_tree import abstract_params
 from lca_jax.train import costs
-from lca_jax.train.state import abstract_params
 
 
 def _n(tree):

@@ -127,7 +127,7 @@ import pytest  # noqa: E402
 from conftest import TRAIN_TINY  # noqa: E402
 
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
-from lca_jax.train import manifest  # noqa: E402
+from lca_jax.workdir import manifest  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "tiny_lca_mbp.py")
 

@@ -41,9 +41,9 @@ from lca_jax.cli import train as cli  # noqa: E402
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from lca_jax.train import (
   loop,  # noqa: E402
-  manifest,  # noqa: E402
   workdir_lock,  # noqa: E402
 )
+from lca_jax.workdir import manifest  # noqa: E402
 
 STEPS = 6  # checkpoints at 2, 4, 6 (train.checkpoint_every=2, keep 3)
 MULTI = os.path.join(ROOT, "launch", "multiprocess.sh")

@@ -23,9 +23,9 @@ from lca_jax import backend
 from lca_jax.decode import engine
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.layers import decode_weights
+from lca_jax.param_tree import abstract_params
 from lca_jax.train import loop
 from lca_jax.train import sharding as shd
-from lca_jax.train import state as st
 
 BATCH_KEYS = ("ids", "segment_ids", "positions")
 
@@ -96,7 +96,7 @@ def decode_program(
   ``prompt_len`` bytes and ``max_bytes`` new bytes, with the weights an ``api.Model`` passes
   (``decode_weights``: fused projections, stored in the compute dtype)."""
   sharding = SingleDeviceSharding(device)
-  params = jax.eval_shape(lambda p: decode_weights(p, cfg.dtype, True), st.abstract_params(cfg))
+  params = jax.eval_shape(lambda p: decode_weights(p, cfg.dtype, True), abstract_params(cfg))
   params = jax.tree_util.tree_map(
     lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), params
   )

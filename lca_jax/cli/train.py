@@ -226,7 +226,8 @@ def main(argv=None) -> int:
   from lca_jax import xla_cache  # pylint: disable=g-import-not-at-top
   from lca_jax.data.errors import DataError  # pylint: disable=g-import-not-at-top
   from lca_jax.train import distributed, loop, run_config, sharding  # pylint: disable=g-import-not-at-top
-  from lca_jax.train.manifest import CorruptCheckpointError  # pylint: disable=g-import-not-at-top
+  from lca_jax.workdir.manifest import CorruptCheckpointError  # pylint: disable=g-import-not-at-top
+  from lca_jax.workdir.params import CheckpointModelError  # pylint: disable=g-import-not-at-top
 
   try:
     exit_now = _start(args, config)
@@ -246,6 +247,7 @@ def main(argv=None) -> int:
     TrainError,
     run_config.ConfigMismatchError,
     CorruptCheckpointError,
+    CheckpointModelError,
     sharding.MeshError,
     LoadError,
   ) as e:

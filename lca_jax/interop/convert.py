@@ -52,6 +52,7 @@ from lca_jax.train import checkpoint as ckpt_lib
 from lca_jax.train import run_config
 from lca_jax.train import sharding as shd
 from lca_jax.train import state as st
+from lca_jax.workdir.params import CKPT_DIR, checkpoint_dir, is_workdir
 
 VOCAB_MULTIPLE = 128
 
@@ -81,7 +82,7 @@ def _prepare_out(out: str, force: bool, src: Optional[str] = None, workdir: bool
         )
       _check_kind(out, workdir)
       if workdir:
-        shutil.rmtree(os.path.join(out, ckpt_lib.CKPT_DIR), ignore_errors=True)
+        shutil.rmtree(os.path.join(out, CKPT_DIR), ignore_errors=True)
         for name in (run_config.CONFIG_FILE, upstream.EXTRAS_FILE):
           if os.path.exists(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
@@ -101,7 +102,7 @@ def _check_kind(out: str, workdir: bool):
       f"{out} holds an upstream checkpoint (model.safetensors); refusing to "
       "write a work directory over it"
     )
-  if not workdir and ckpt_lib.is_workdir(out):
+  if not workdir and is_workdir(out):
     raise ConvertError(
       f"{out} is an lca-train work directory; refusing to write an upstream checkpoint into it"
     )
@@ -200,9 +201,7 @@ def write_workdir(
   handlers = {name: ocp.StandardCheckpointHandler() for name in ("params", "step", "rng")}
   handlers["meta"] = ocp.JsonCheckpointHandler()
   opts = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-  with ocp.CheckpointManager(
-    ckpt_lib.checkpoint_dir(out), options=opts, item_handlers=handlers
-  ) as mngr:
+  with ocp.CheckpointManager(checkpoint_dir(out), options=opts, item_handlers=handlers) as mngr:
     mngr.save(
       0,
       args=ocp.args.Composite(

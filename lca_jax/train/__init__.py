@@ -4,11 +4,11 @@
     result = train_and_evaluate(config, "workdirs/run")   # resumes if the workdir has a checkpoint
 
 Modules: sharding (mesh, logical rules), optim (Adam + warmup/cosine), state (TrainState,
-sharded init), step (train/eval steps), checkpoint (orbax, load_for_inference), run_config
-(train_config.json, resume checks), manifest (checkpoint integrity), metrics
+sharded init), step (train/eval steps), checkpoint (orbax saves and restores of train states),
+run_config (writing train_config.json, resume checks, validation), metrics
 (jsonl/TensorBoard/MFU), inputs (batch plan, data sources and pipelines of a config), stop
 (SIGTERM / request_stop), errors (TrainError), hooks (the per-step hooks of the loop: late
 metric fetch, finite check, metrics window, console, eval, checkpoints, watchdog), loop
-(train_and_evaluate). Imported lazily:
-``lca_jax.load`` only needs ``checkpoint`` (and the run_config / manifest it imports).
+(train_and_evaluate). ``lca_jax.load`` imports none of them: it reads work directories through
+``lca_jax.workdir``.
 """

@@ -1,13 +1,7 @@
-"""Checkpoints of an lca-train work directory (orbax), and loading them for inference.
+"""Saving and restoring the train states of an lca-train work directory (orbax).
 
-Layout of WORKDIR:
-  train_config.json      {"model": ModelConfig fields, "config": the full run config}
-                         (written, read and checked on resume by train/run_config.py)
-  checkpoints/<step>/    orbax Composite items
-      params, opt_state               StandardSave (sharded arrays; restorable onto any mesh)
-      step, rng                       StandardSave of {"step": int32} and {"key": uint32[2]}
-      data                            the grain iterator state (grain.checkpoint handler)
-      meta                            JSON: model config, step, bytes seen
+The directory's layout is described in ``lca_jax.workdir``; restoring only the params (for
+inference and ``train.init_from``) is ``lca_jax.workdir.params``.
 
 ``step`` is the number of optimizer steps completed. Saving is asynchronous (the arrays are
 copied to host before ``save`` returns, so the next, donating train step is safe; with
@@ -21,8 +15,8 @@ Fault tolerance:
     leaves only the tmp directory, which is never listed as a step (so never restored) and is
     deleted when the next run opens the directory.
   * Once a step is committed, process 0 writes ``<step>/lca_manifest.json`` (every file of
-    the step and its size; see train/manifest.py). ``restore_latest`` checks it before
-    restoring: a step with a missing or truncated file, or one that fails to restore, is
+    the step and its size; see lca_jax/workdir/manifest.py). ``restore_latest`` checks it
+    before restoring: a step with a missing or truncated file, or one that fails to restore, is
     skipped and the previous step restored; the skipped steps are then moved to
     ``WORKDIR/corrupt_checkpoints/`` with a ``CorruptCheckpointWarning`` naming them (nothing
     is moved when no step restores).
@@ -63,25 +57,22 @@ from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
-from etils import epath
 
-from lca_jax.errors import LcaError, LoadError
-from lca_jax.model.config import ModelConfig
+from lca_jax.errors import LcaError
 from lca_jax.train import distributed
 from lca_jax.train import stop as stop_lib
 from lca_jax.train.errors import TrainError
-from lca_jax.train.manifest import (
+from lca_jax.train.run_config import ConfigMismatchError
+from lca_jax.workdir.manifest import (
   MANIFEST,
   CorruptCheckpointError,
   CorruptCheckpointWarning,
-  _short,
-  check_process_count,
+  short_reason,
   verify_step,
   write_manifest,
 )
-from lca_jax.train.run_config import CONFIG_FILE, read_run_config
+from lca_jax.workdir.params import check_step_model, checkpoint_dir
 
-CKPT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax writes step N into N.orbax-checkpoint-tmp[-*]
 PROBE_MARK = ".lca-probe-"  # Checkpointer._probe's directories
@@ -126,7 +117,7 @@ def os_problem(exc: BaseException) -> Optional[tuple]:
       what = os.strerror(code)
       return code, what[:1].lower() + what[1:]
     if isinstance(e, OSError) or _REFUSED.match(str(e)):  # e.g. a barrier's TimeoutError
-      return None, _short(e)
+      return None, short_reason(e)
     todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
   return None
 
@@ -245,6 +236,25 @@ def _grain_restore(data):
   return grain.checkpoint.CheckpointRestore(data)
 
 
+def check_process_count(step_dir: str, n: int) -> None:
+  """A ``ConfigMismatchError`` when the step's data-iterator state was written by another
+  number of processes (each process checkpoints its own position in its shard of the data)."""
+  data = os.path.join(step_dir, "data")
+  if not os.path.isdir(data):
+    return
+  counts = set()
+  for name in os.listdir(data):
+    m = re.fullmatch(r"process_\d+-of-(\d+)\.json", name)
+    if m:
+      counts.add(int(m.group(1)))
+  if counts and n not in counts:
+    raise ConfigMismatchError(
+      f"the checkpoint in {os.path.dirname(step_dir)} was written by {max(counts)} processes, "
+      f"this run has {n}: resume it with {max(counts)} processes (any number of devices per "
+      "process), or start a new --workdir with train.init_from=<this workdir> (params only)"
+    )
+
+
 # ---- the manager --------------------------------------------------------------------------
 def _handlers(with_data: bool):
   h = {name: ocp.StandardCheckpointHandler() for name in ("params", "opt_state", "step", "rng")}
@@ -252,10 +262,6 @@ def _handlers(with_data: bool):
   if with_data:
     h["data"] = _grain_handler()
   return h
-
-
-def checkpoint_dir(workdir: str) -> str:
-  return os.path.join(os.path.abspath(workdir), CKPT_DIR)
 
 
 class Checkpointer:
@@ -373,7 +379,7 @@ class Checkpointer:
     if self._failure is None:
       return
     if self._failure_raised:
-      raise CheckpointSaveError(f"an earlier save failed: {_short(self._failure)}") from None
+      raise CheckpointSaveError(f"an earlier save failed: {short_reason(self._failure)}") from None
     self._failure_raised = True
     raise self._failure
 
@@ -603,7 +609,7 @@ class Checkpointer:
         try:
           state = self.restore(step, abstract_state, data_iterator)
         except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
-          reason = _short(e)
+          reason = short_reason(e)
           if multi:  # other processes may be inside orbax's restore barrier: no way back
             raise CorruptCheckpointError(
               f"checkpoint step {step} in {self.directory} cannot be restored on process "
@@ -645,126 +651,3 @@ def set_aside(workdir: str, step: int) -> Optional[str]:
   except OSError:
     shutil.move(src, dest)
   return dest
-
-
-def restore_params(workdir: str, abstract_params, step: Optional[int] = None):
-  """Only the params of ``workdir``'s checkpoint ``step`` (default latest), laid out as the
-  shardings/dtypes of ``abstract_params`` (a tree of ShapeDtypeStructs)."""
-  directory = checkpoint_dir(workdir)
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"{workdir}: no checkpoint yet")
-  opts = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
-  with ocp.CheckpointManager(
-    directory, options=opts, item_handlers={"params": ocp.StandardCheckpointHandler()}
-  ) as mngr:
-    restore = lambda s: mngr.restore(
-      s, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params))
-    )["params"]
-    if step is not None:
-      if step not in mngr.all_steps():
-        raise FileNotFoundError(
-          f"{workdir}: no checkpoint for step {step} (have {sorted(mngr.all_steps())})"
-        )
-      reason = verify_step(os.path.join(directory, str(step)))
-      if reason is not None:
-        raise CorruptCheckpointError(f"{workdir}: checkpoint step {step} is corrupt ({reason})")
-      check_step_model(workdir, step, abstract_params)
-      return restore(step)
-    steps = sorted(mngr.all_steps(), reverse=True)
-    if not steps:
-      raise FileNotFoundError(f"{workdir}: no checkpoint yet")
-    bad = []
-    for i, s in enumerate(steps):
-      # The latest readable step; a corrupt one is skipped with a warning (left in place:
-      # the training run that resumes this directory sets it aside).
-      reason = verify_step(os.path.join(directory, str(s)))
-      if reason is None:
-        check_step_model(workdir, s, abstract_params)  # another model's step is not corrupt
-        try:
-          return restore(s)
-        except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
-          reason = _short(e)
-      bad.append((s, reason))
-      nxt = f"using step {steps[i + 1]}" if i + 1 < len(steps) else "no earlier checkpoint"
-      warnings.warn(
-        f"checkpoint step {s} in {directory} is corrupt ({reason}); {nxt}",
-        CorruptCheckpointWarning,
-        stacklevel=2,
-      )
-    raise CorruptCheckpointError(
-      f"no readable checkpoint in {directory}: " + "; ".join(f"step {s}: {r}" for s, r in bad)
-    )
-
-
-# ---- a checkpoint of another model ----------------------------------------------------------
-class CheckpointModelError(TrainError):
-  """A checkpoint's parameters are not those of the model its run config describes (a
-  hand-edited train_config.json, a checkpoint copied from another work directory): named
-  before the restore, and the step is not treated as corrupt (never set aside)."""
-
-
-def _model_mismatch(step_dir: str, abstract_params) -> Optional[str]:
-  """Where the parameters stored in checkpoint step ``step_dir`` differ from
-  ``abstract_params`` (names, shapes; the first three); None when they agree, or when the
-  step's metadata cannot be read (its restore then reports why, as for a corrupt step)."""
-  try:
-    stored_tree = ocp.StandardCheckpointHandler().metadata(epath.Path(step_dir) / "params")
-  except Exception:  # noqa: BLE001 - unreadable metadata is the restore's to report
-    return None
-  shape = lambda leaves: {jax.tree_util.keystr(k): tuple(v.shape) for k, v in leaves}
-  stored = shape(jax.tree_util.tree_leaves_with_path(stored_tree))
-  want = shape(jax.tree_util.tree_leaves_with_path(abstract_params))
-  diffs = [
-    f"{k} stored {stored[k] if k in stored else 'nowhere'}, the model has {w}"
-    for k, w in want.items()
-    if stored.get(k) != w
-  ] + [f"{k} stored, not in the model" for k in sorted(set(stored) - set(want))]
-  if not diffs:
-    return None
-  more = f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else ""
-  return "; ".join(diffs[:3]) + more
-
-
-def check_step_model(workdir: str, step: int, abstract_params) -> None:
-  """``CheckpointModelError`` when checkpoint ``step`` of ``workdir`` holds another model's
-  parameters than ``abstract_params`` (those of the model its run config describes)."""
-  diff = _model_mismatch(os.path.join(checkpoint_dir(workdir), str(step)), abstract_params)
-  if diff is not None:
-    raise CheckpointModelError(
-      f"checkpoint step {step} in {checkpoint_dir(workdir)} holds another model's parameters "
-      f"than {os.path.join(workdir, CONFIG_FILE)} describes ({diff}); restore that file's "
-      "model, or use a new --workdir"
-    )
-
-
-# ---- inference ----------------------------------------------------------------------------
-def is_workdir(path: str) -> bool:
-  """True for an lca-train work directory (its run config or a checkpoints folder exists)."""
-  path = os.fspath(path)
-  return os.path.isfile(os.path.join(path, CONFIG_FILE)) or os.path.isdir(
-    os.path.join(path, CKPT_DIR)
-  )
-
-
-def model_config(workdir: str) -> ModelConfig:
-  saved = read_run_config(workdir)
-  if saved is None:
-    raise FileNotFoundError(f"{workdir}: no {CONFIG_FILE}; not an lca-train work directory")
-  return ModelConfig.from_dict(saved["model"])
-
-
-def load_for_inference(path: str, step: Optional[int] = None):
-  """(ModelConfig, float32 params on one device) from a work directory's checkpoint."""
-  from lca_jax.train.state import abstract_params  # pylint: disable=g-import-not-at-top
-
-  try:
-    cfg = model_config(path)
-  except FileNotFoundError as e:
-    raise LoadError(str(e)) from None
-  dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = abstract_params(cfg, jax.numpy.float32, dev)
-  try:
-    params = restore_params(path, abstract, step)
-  except (FileNotFoundError, CorruptCheckpointError, CheckpointModelError) as e:
-    raise LoadError(str(e)) from None
-  return cfg, params

@@ -35,6 +35,7 @@ import ml_collections
 import numpy as np
 
 from lca_jax.model.config import ModelConfig
+from lca_jax.param_tree import abstract_params
 from lca_jax.train import checkpoint as ckpt_lib
 from lca_jax.train import hooks as hooks_lib
 from lca_jax.train import inputs, optim, run_config, workdir_lock
@@ -44,8 +45,10 @@ from lca_jax.train import state as st
 from lca_jax.train import step as step_lib
 from lca_jax.train import stop as stop_lib
 from lca_jax.train.errors import TrainError
-from lca_jax.train.manifest import CorruptCheckpointError
 from lca_jax.train.stop import request_stop  # noqa: F401  (public API: loop.request_stop)
+from lca_jax.workdir import params as workdir_params
+from lca_jax.workdir.manifest import CorruptCheckpointError
+from lca_jax.workdir.params import CKPT_DIR
 
 
 # ---- configuration -------------------------------------------------------------------------
@@ -61,7 +64,7 @@ def prepare_workdir(workdir: str) -> str:
   """The absolute workdir, created; a ``TrainError`` when it (or its checkpoints folder) cannot
   be written, checked on every process before anything is compiled."""
   workdir = os.path.abspath(os.path.expanduser(workdir))
-  for d in (workdir, os.path.join(workdir, ckpt_lib.CKPT_DIR)):
+  for d in (workdir, os.path.join(workdir, CKPT_DIR)):
     try:
       os.makedirs(d, exist_ok=True)
       probe = os.path.join(d, f".write_test_{os.uname().nodename}_{os.getpid()}")
@@ -200,16 +203,16 @@ def load_init_params(setup: Setup, source: str):
   """Params for ``train.init_from``: an lca-train workdir (restored straight onto the mesh) or
   anything ``lca_jax.load`` reads (e.g. the upstream PyTorch layout)."""
   want = setup.abstract.params
-  if ckpt_lib.is_workdir(source):
-    src_cfg = ckpt_lib.model_config(source)
-    src_abs = st.abstract_params(src_cfg)
+  if workdir_params.is_workdir(source):
+    src_cfg = workdir_params.model_config(source)
+    src_abs = abstract_params(src_cfg)
     bad = _shape_mismatches(want, src_abs)
     if bad:
       raise TrainError(
         f"train.init_from={source}: its model does not match this config's ({'; '.join(bad[:6])})"
       )
     try:
-      return ckpt_lib.restore_params(source, want)
+      return workdir_params.restore_params(source, want)
     except (FileNotFoundError, CorruptCheckpointError) as e:
       raise TrainError(f"train.init_from: {e}") from None
   import lca_jax  # pylint: disable=g-import-not-at-top

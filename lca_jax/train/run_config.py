@@ -1,7 +1,8 @@
-"""The run config of an lca-train work directory: writing it, reading it, checking a resume.
+"""The run config of an lca-train work directory: writing it, checking a resume, validating it.
 
 ``WORKDIR/train_config.json`` holds ``{"model": ModelConfig fields, "config": the full run
-config}``; process 0 writes it atomically when a run starts. ``check_resume_config`` compares it
+config}``; process 0 writes it atomically when a run starts (``lca_jax.workdir.config_file``
+reads it). ``check_resume_config`` compares it
 with the config of a run resuming the directory and raises ``ConfigMismatchError`` naming the
 fields that differ, except those in ``RESUME_MUTABLE`` (steps, logging, checkpoint cadence,
 mesh, ...), which may change between a checkpoint and the run resuming it.
@@ -16,14 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Optional
 
 import jax
 
 from lca_jax.errors import LcaError
 from lca_jax.model.config import ConfigError, ModelConfig
-
-CONFIG_FILE = "train_config.json"
+from lca_jax.workdir.config_file import CONFIG_FILE, RunConfigError, read_run_config
 
 # Config fields that may differ between a checkpoint and the run resuming it.
 RESUME_MUTABLE = (
@@ -58,10 +57,6 @@ RESUME_MUTABLE = (
 
 class ConfigMismatchError(LcaError, ValueError):
   """The run config differs from the one that wrote the checkpoint being resumed."""
-
-
-class RunConfigError(ConfigError):
-  """A run config value that no run can use (unknown data format, negative steps, ...)."""
 
 
 # data.format values (``arrayrecord`` is the configs' spelling of ``array_record``; "" = infer
@@ -131,8 +126,8 @@ def validate_run_config(config, *, min_steps: int = 0) -> None:
   or a dict) that no run can use. Fields a config does not have are not checked.
   ``min_steps``: the least ``train.steps`` accepted (lca-train asks for 1: a run of 0 steps
   trains and saves nothing; the Python API allows 0 to get the initial state back)."""
-  # lazy: lca_jax.load imports this module (train.checkpoint) and must work without grain,
-  # which the lca_jax.data package imports (grain: the data / train extras)
+  # lazy: lca_jax.interop.convert imports this module and its to_torch must work without
+  # grain, which the lca_jax.data package imports (grain: the data / train extras)
   from lca_jax.data.sft_format import SFT_FORMATS  # pylint: disable=g-import-not-at-top
 
   bad = []
@@ -198,31 +193,6 @@ def write_run_config(workdir: str, config: dict, model_cfg: ModelConfig) -> None
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump({"model": model_cfg.to_dict(), "config": config}, f, indent=2, sort_keys=True)
   os.replace(tmp, path)
-
-
-def read_run_config(workdir: str) -> Optional[dict]:
-  """A work directory's saved run config, checked; None when it has none. A damaged or
-  hand-edited file (not JSON, no ``model`` object, ``config`` not an object of sections, a
-  model that cannot be built) is a ``RunConfigError`` naming the file, not a traceback where
-  it is read."""
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.isfile(path):
-    return None
-  try:
-    with open(path, encoding="utf-8") as f:
-      saved = json.load(f)
-  except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
-    raise RunConfigError(f"{path}: damaged run config, not valid JSON ({e})") from None
-  if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
-    raise RunConfigError(f'{path}: damaged run config, no "model" object')
-  run = saved.get("config", {})
-  if not isinstance(run, dict) or not all(isinstance(v, dict) for v in run.values()):
-    raise RunConfigError(f'{path}: damaged run config, "config" is not an object of sections')
-  try:
-    ModelConfig.from_dict(saved["model"])
-  except ConfigError as e:
-    raise RunConfigError(f"{path}: {e}") from None
-  return saved
 
 
 def config_diff(saved: dict, current: dict, mutable=RESUME_MUTABLE) -> list:

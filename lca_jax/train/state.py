@@ -16,10 +16,9 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
-from flax.core import meta
 
 from lca_jax.model.config import ModelConfig
-from lca_jax.model.hierarchical import init_params
+from lca_jax.param_tree import abstract_params_boxed, init_boxed_params, strip_boxes
 from lca_jax.train import sharding as shd
 
 
@@ -31,47 +30,19 @@ class TrainState:
   rng: jax.Array  # uint32 key data; step keys are fold_in(rng, step)
 
 
-def strip_boxes(tree):
-  """Unbox flax ``Partitioned`` metadata without applying sharding constraints (safe on
-  abstract trees and outside jit)."""
-  return jax.tree_util.tree_map(
-    lambda x: x.value if isinstance(x, meta.AxisMetadata) else x,
-    tree,
-    is_leaf=lambda x: isinstance(x, meta.AxisMetadata),
-  )
-
-
-def abstract_params(cfg: ModelConfig, dtype=None, sharding=None):
-  """Unboxed abstract params (ShapeDtypeStructs), optionally with a dtype and one sharding."""
-  return jax.tree_util.tree_map(
-    lambda a: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype, sharding=sharding),
-    strip_boxes(abstract_params_boxed(cfg)),
-  )
-
-
 def seed_key(seed: int) -> jax.Array:
   return jax.random.key_data(jax.random.key(int(seed)))
 
 
-def _init_boxed_params(cfg: ModelConfig, seed: int):
-  k = jax.random.fold_in(jax.random.key(int(seed)), 1)
-  return init_params(cfg, k, seq_len=8, batch=1)
-
-
-def abstract_params_boxed(cfg: ModelConfig, seed: int = 0):
-  """Shapes + logical partitioning of the params (nothing allocated)."""
-  return jax.eval_shape(lambda: _init_boxed_params(cfg, seed))
-
-
 def _boxed_state(cfg, tx, seed):
-  boxed = _init_boxed_params(cfg, seed)
+  boxed = init_boxed_params(cfg, seed)
   return TrainState(
     step=jnp.zeros((), jnp.int32), params=boxed, opt_state=tx.init(boxed), rng=seed_key(seed)
   )
 
 
 def _state(cfg, tx, seed):
-  params = strip_boxes(_init_boxed_params(cfg, seed))
+  params = strip_boxes(init_boxed_params(cfg, seed))
   return TrainState(
     step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=seed_key(seed)
   )

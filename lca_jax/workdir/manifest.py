@@ -1,24 +1,22 @@
-"""Integrity of committed checkpoint steps: manifests, verification, process-count checks.
+"""Integrity of committed checkpoint steps: manifests and their verification.
 
 Once orbax has committed a step, process 0 seals it with ``<step>/lca_manifest.json`` (every
-file of the step and its size; ``write_manifest``). ``verify_step`` checks a step against its
-manifest before it is restored (a missing or truncated file names the step corrupt), and
-``check_process_count`` refuses a step whose data-iterator state was written by another number
-of processes. ``CorruptCheckpointError`` / ``CorruptCheckpointWarning`` are what
-:mod:`lca_jax.train.checkpoint` raises / warns when steps fail these checks or their restore.
+file of the step and its size; ``write_manifest``, called by ``lca_jax.train.checkpoint``).
+``verify_step`` checks a step against its manifest before it is restored (a missing or
+truncated file names the step corrupt). ``CorruptCheckpointError`` /
+``CorruptCheckpointWarning`` are what restoring raises / warns when steps fail this check or
+their restore.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Optional
 
 import jax
 
 from lca_jax.errors import LcaError
-from lca_jax.train.run_config import ConfigMismatchError
 
 MANIFEST = "lca_manifest.json"
 # Files orbax may still rewrite after the commit; not part of the manifest.
@@ -34,7 +32,8 @@ class CorruptCheckpointWarning(UserWarning):
   """A checkpoint step was unreadable and set aside; an earlier one is used."""
 
 
-def _short(e: BaseException, limit: int = 300) -> str:
+def short_reason(e: BaseException, limit: int = 300) -> str:
+  """``e``'s message on one line, cut at ``limit`` characters (its type name when empty)."""
   msg = " ".join(str(e).split()) or type(e).__name__
   return msg if len(msg) <= limit else msg[:limit] + "..."
 
@@ -80,7 +79,7 @@ def verify_step(step_dir: str) -> Optional[str]:
     with open(path, encoding="utf-8") as f:
       files = json.load(f)["files"]
   except (OSError, ValueError, KeyError) as e:
-    return f"unreadable {MANIFEST}: {_short(e)}"
+    return f"unreadable {MANIFEST}: {short_reason(e)}"
   problems = []
   for rel, size in sorted(files.items()):
     full = os.path.join(step_dir, rel)
@@ -92,22 +91,3 @@ def verify_step(step_dir: str) -> Optional[str]:
     return None
   more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
   return "; ".join(problems[:3]) + more
-
-
-def check_process_count(step_dir: str, n: int) -> None:
-  """A ``ConfigMismatchError`` when the step's data-iterator state was written by another
-  number of processes (each process checkpoints its own position in its shard of the data)."""
-  data = os.path.join(step_dir, "data")
-  if not os.path.isdir(data):
-    return
-  counts = set()
-  for name in os.listdir(data):
-    m = re.fullmatch(r"process_\d+-of-(\d+)\.json", name)
-    if m:
-      counts.add(int(m.group(1)))
-  if counts and n not in counts:
-    raise ConfigMismatchError(
-      f"the checkpoint in {os.path.dirname(step_dir)} was written by {max(counts)} processes, "
-      f"this run has {n}: resume it with {max(counts)} processes (any number of devices per "
-      "process), or start a new --workdir with train.init_from=<this workdir> (params only)"
-    )
