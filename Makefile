@@ -8,7 +8,7 @@ DEMO_CONFIG ?= configs/demo.py
 DEMO_STEPS ?= 800
 DEMO_SAMPLE_ARGS ?=
 
-.PHONY: venv demo test lint bench clean gpu-aot
+.PHONY: venv demo test test-fast lint bench clean gpu-aot
 
 venv: $(STAMP)
 
@@ -26,13 +26,22 @@ demo: $(STAMP)
 	$(VENV)/bin/lca-train --config $(DEMO_CONFIG) --workdir $(DEMO_DIR) --config.train.steps=$(DEMO_STEPS)
 	$(VPY) tools/demo_sample.py --checkpoint $(DEMO_DIR) $(DEMO_SAMPLE_ARGS)
 
+# Tests in two tiers (markers in pytest.ini, the tiers' tables in tests/conftest.py):
+#   make test       the whole suite (CI runs it);
+#   make test-fast  the tests not marked slow: each area (model math, masks, attention, kernels
+#                   in interpret mode, data, a train step, decode, checkpoint, eval) without the
+#                   processes, CLIs, tool smoke tests and whole decode-loop compiles.
 # pytest exits 5 when no test is collected; that is not a failure of the code.
 # TEST_WORKERS pytest-xdist processes, a test file each at a time (--dist loadfile: a file's
 # module fixtures are built once): min(4, cores, GiB of memory / 4), 0 = one process. Most
-# tests are compile-bound on one thread; on 2 cores 2 workers took the suite 23 -> 18 min.
+# tests are compile-bound on one thread, so workers help even on few cores.
 TEST_WORKERS ?= $(shell $(PY) -c "import os; n = min(4, os.cpu_count() or 1, os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') // 2**32); print(n if n > 1 else 0)")
+PYTEST := XLA_FLAGS=--xla_force_host_platform_device_count=8 $(VPY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile
 test: $(STAMP)
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(VPY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile tests; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PYTEST) tests; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow" tests; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 # ruff lint (pyflakes, pycodestyle, import order) and format check; config in ruff.toml.
 lint: $(STAMP)

@@ -293,3 +293,105 @@ def load_tool(name: str):
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod
+
+
+# ---- test tiers -------------------------------------------------------------------------------
+# `make test` runs every test; `make test-fast` runs those not marked `slow` (pytest -m "not
+# slow"): a subset that still covers each area (model math, masks, attention, kernels in
+# interpret mode, data, a train step, decode, checkpoint, eval). A test is slow when it starts
+# processes or CLIs, smoke-tests a tool, or compiles whole decode loops or many train steps.
+# New long tests take `@pytest.mark.slow`; the tables below mark the existing ones by name, so
+# that the tiers live in one place. Names are test functions (all their parameters) or node
+# names with parameters, as pytest prints them.
+SLOW_FILES = frozenset(
+  {
+    "test_bad_input.py",
+    "test_bench_serve.py",
+    "test_convert.py",
+    "test_costs.py",
+    "test_cpu_devices.py",
+    "test_demo.py",
+    "test_disk_full.py",
+    "test_fault_tolerance.py",
+    "test_hf_export.py",
+    "test_kernels_sharded.py",
+    "test_lm_eval.py",
+    "test_multihost.py",
+    "test_serve.py",
+    "test_xla_cache.py",
+  }
+  | {f"test_tool_{t}.py" for t in ("bench_decode", "bench_kernel", "bench_model", "bench_train")}
+  | {f"test_tool_{t}.py" for t in ("bench_vs_upstream", "count_params", "demo_sample", "gpu_check")}
+)
+SLOW_TESTS = {
+  "test_attention.py": (
+    "test_model_blockwise_equals_dense",
+    "test_no_t_by_t_buffer_in_train_step",
+    "test_sharded_call_schedules_each_device_alone",
+    "test_bfloat16_matches_float32_reference",
+    "test_blockwise_equals_dense[mha_ragged_t-causal]",
+    "test_blockwise_equals_dense[mqa_one_doc-causal]",
+    "test_blockwise_equals_dense[gqa_docs-causal]",
+  ),
+  "test_checkpoint.py": ("test_restore_onto_smaller_mesh",),
+  "test_data.py": ("test_multiprocess_workers_deterministic_and_resumable",),
+  "test_decode_bounds.py": (
+    "test_param_counts_cover_the_model",
+    "test_cache_len_is_the_engine_length",
+  ),
+  "test_decode_hlo.py": (
+    "test_stack_rows_equal_the_full_stack_at_those_rows",
+    "test_stack_rows_without_cache",
+    "test_decode_step_copies_no_cache",
+    "test_step_stats_of_a_sampled_decode_read_the_decode_loop",
+    "test_decode_step_fuses_projections_without_copying_weights",
+    "test_cached_attention_reads_only_the_old_slots_it_is_given",
+  ),
+  "test_eval.py": ("test_tasks_end_to_end[summarization]",),
+  "test_model_grads.py": (
+    "test_scanned_layers_same_loss_and_gradients",
+    "test_forward_backward_xla",
+  ),
+  "test_model_parity.py": ("test_batch_equals_rows",),
+  "test_train.py": (
+    "test_loss_decreases",
+    "test_sharded_step_matches_single_device",
+    "test_data_parallel_step_gathers_nothing",
+  ),
+}
+# files of which only these tests are fast (every decode test compiles a decode loop)
+FAST_ONLY = {
+  "test_decode.py": (
+    "test_reference_decoding_vectors[fxt_small]",
+    "test_cache_parity_per_step[flat]",
+    "test_cache_parity_per_step[spacebyte]",
+    "test_eos_stops_and_budget",
+    "test_clear_errors",
+  ),
+}
+
+
+def _named(item, names) -> bool:
+  return item.name in names or getattr(item, "originalname", item.name) in names
+
+
+def pytest_collection_modifyitems(config, items):
+  """Marks the tests of the tables above ``slow``; a name that no test function of its file
+  has is a usage error (a renamed test would otherwise change tiers unnoticed)."""
+  del config
+  modules = {}
+  for item in items:
+    base = os.path.basename(str(item.path))
+    if getattr(item, "module", None) is not None:
+      modules[base] = item.module
+    if base in SLOW_FILES or _named(item, SLOW_TESTS.get(base, ())):
+      item.add_marker(pytest.mark.slow)
+    elif base in FAST_ONLY and not _named(item, FAST_ONLY[base]):
+      item.add_marker(pytest.mark.slow)
+  for table in (SLOW_TESTS, FAST_ONLY):
+    for base, names in table.items():
+      missing = [
+        n for n in names if base in modules and not hasattr(modules[base], n.split("[")[0])
+      ]
+      if missing:
+        raise pytest.UsageError(f"tests/conftest.py tiers: {base} has no test {missing}")
