@@ -39,7 +39,6 @@ from typing import Mapping, Optional, Sequence
 
 import jax
 import numpy as np
-from jax._src import distributed as jax_distributed
 from jax.experimental import multihost_utils
 
 from lca_jax.errors import LcaError
@@ -461,11 +460,20 @@ class BarrierAborted(DistributedError):
 
 
 def _client():
-  """jax's coordination-service client (jax.distributed); orbax reaches it the same way."""
-  client = jax_distributed.global_state.client
-  if client is None:
+  """jax's coordination-service client: the key-value store of the run's processes.
+
+  The one place lca-jax reaches into jax's private modules. jax (0.10 and 0.11) has no public
+  API for this store: ``jax.distributed`` exports only ``initialize``, ``shutdown`` and
+  ``is_initialized``, and orbax, ``jax.experimental.multihost_utils`` and jax's own
+  fault-tolerance guide read the client from ``jax._src.distributed.global_state`` as here.
+  Collectives are no substitute: these barriers run on orbax's background threads while the
+  main thread runs train steps. Imported here, not at the top, so that only the barriers of
+  multi-process checkpoint saves depend on that private module."""
+  if not jax.distributed.is_initialized():
     raise DistributedError("jax.distributed is not initialized")
-  return client
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+
+  return jax_distributed.global_state.client
 
 
 def _processes_under(client, prefix: str) -> list:
