@@ -127,6 +127,7 @@ import pytest  # noqa: E402
 from conftest import TRAIN_TINY  # noqa: E402
 
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
+from lca_jax.train import save_failures  # noqa: E402
 from lca_jax.workdir import manifest  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "tiny_lca_mbp.py")
@@ -275,7 +276,7 @@ def test_step_directory_that_cannot_be_created_fails_in_save(tmp_path):
 
 # ---- the pieces ----------------------------------------------------------------------------
 def test_os_problem_names_the_os_error():
-  assert ckpt_lib.os_problem(OSError(errno.ENOSPC, "x")) == (
+  assert save_failures.os_problem(OSError(errno.ENOSPC, "x")) == (
     errno.ENOSPC,
     "no space left on device",
   )
@@ -283,16 +284,16 @@ def test_os_problem_names_the_os_error():
     'RESOURCE_EXHAUSTED: Error writing "w/0" ...: Failed to write 7 bytes to file 5: No space '
     "left on device [os_error_code='28']"
   )
-  assert ckpt_lib.os_problem(ts) == (errno.ENOSPC, "no space left on device")
+  assert save_failures.os_problem(ts) == (errno.ENOSPC, "no space left on device")
   try:
     try:
       raise OSError(errno.EROFS, "ro")
     except OSError as e:
       raise RuntimeError("commit failed") from e
   except RuntimeError as e:
-    assert ckpt_lib.os_problem(e) == (errno.EROFS, "read-only file system")
-  assert ckpt_lib.os_problem(ValueError("shape mismatch")) is None
-  assert ckpt_lib.os_problem(TimeoutError("barrier"))[0] is None
+    assert save_failures.os_problem(e) == (errno.EROFS, "read-only file system")
+  assert save_failures.os_problem(ValueError("shape mismatch")) is None
+  assert save_failures.os_problem(TimeoutError("barrier"))[0] is None
 
 
 def test_closed_loop_callback_is_recognised():
@@ -304,6 +305,6 @@ def test_closed_loop_callback_is_recognised():
     loop.call_soon_threadsafe(print)
   except RuntimeError as e:
     tb = e.__traceback__.tb_next  # as raised into native code: the callback's own frames only
-    assert ckpt_lib._closed_loop_callback(RuntimeError, e, tb)  # pylint: disable=protected-access
-    assert not ckpt_lib._closed_loop_callback(RuntimeError, e, e.__traceback__)  # pylint: disable=protected-access
-  assert not ckpt_lib._closed_loop_callback(RuntimeError, RuntimeError("other"), None)  # pylint: disable=protected-access
+    assert save_failures._closed_loop_callback(RuntimeError, e, tb)  # pylint: disable=protected-access
+    assert not save_failures._closed_loop_callback(RuntimeError, e, e.__traceback__)  # pylint: disable=protected-access
+  assert not save_failures._closed_loop_callback(RuntimeError, RuntimeError("other"), None)  # pylint: disable=protected-access

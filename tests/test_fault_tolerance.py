@@ -505,7 +505,7 @@ def test_watchdog_ends_a_stuck_training_process(tmp_path):
 
 def test_watchdog_ends_a_stuck_process():
   code = (
-    "import time\nfrom lca_jax.train.distributed import Watchdog\n"
+    "import time\nfrom lca_jax.train.watchdog import Watchdog\n"
     "w = Watchdog(1.0)\nw.arm('step 7')\ntime.sleep(60)\n"
   )
   t0 = time.time()

@@ -6,8 +6,8 @@ inference and ``train.init_from``) is ``lca_jax.workdir.params``.
 ``step`` is the number of optimizer steps completed. Saving is asynchronous (the arrays are
 copied to host before ``save`` returns, so the next, donating train step is safe; with
 ``async_save=False`` ``save`` waits for the commit); the data iterator state is captured at
-save time. Restores take their target shardings from the
-abstract state of the *current* mesh, so a run can resume on a different device layout.
+save time (``data_state``). Restores take their target shardings from the abstract state
+of the *current* mesh, so a run can resume on a different device layout.
 
 Fault tolerance:
   * orbax writes each step into ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>``
@@ -33,21 +33,17 @@ Fault tolerance:
     current step (``stop.request_stop``), whose checkpoint call then raises the error; a
     failure of the last save is raised by ``close``. orbax's and tensorstore's own reports of
     the same failure (logged tracebacks, "Event loop is closed" from write callbacks that
-    arrive after orbax closed their event loop) are kept off stderr (``_quiet_storage_noise``).
+    arrive after orbax closed their event loop) are kept off stderr (all in
+    ``save_failures``).
   * In a multi-process run the processes agree on the probe before orbax starts, and orbax's
-    barriers of a save can be aborted (``_barrier``): a process whose write fails midway
+    barriers of a save can be aborted (``_barrier``, ``collectives.AbortableBarriers``): a process whose write fails midway
     makes the others leave them at once (``PeerSaveError``) instead of after orbax's
     20-minute timeout.
 """
 
 from __future__ import annotations
 
-import errno
-import gc
-import json
-import logging
 import os
-import re
 import shutil
 import sys
 import threading
@@ -58,11 +54,10 @@ from typing import Any, Optional
 import jax
 import orbax.checkpoint as ocp
 
-from lca_jax.errors import LcaError
-from lca_jax.train import distributed
+from lca_jax.train import collectives, save_failures
+from lca_jax.train import data_state as data_lib
 from lca_jax.train import stop as stop_lib
-from lca_jax.train.errors import TrainError
-from lca_jax.train.run_config import ConfigMismatchError
+from lca_jax.train.save_failures import CheckpointSaveError, PeerSaveError
 from lca_jax.workdir.manifest import (
   MANIFEST,
   CorruptCheckpointError,
@@ -78,189 +73,12 @@ TMP_MARK = ".orbax-checkpoint-tmp"  # orbax writes step N into N.orbax-checkpoin
 PROBE_MARK = ".lca-probe-"  # Checkpointer._probe's directories
 
 
-# ---- failed saves -------------------------------------------------------------------------
-class PeerSaveError(LcaError, OSError):
-  """Another process could not write its part of a checkpoint (its own error says why)."""
-
-  def __init__(self, processes):
-    who = ", ".join(str(i) for i in processes)
-    super().__init__(f"process {who} could not write it (its own error says why)")
-
-
-class CheckpointSaveError(TrainError):
-  """A checkpoint could not be written (no space left, quota, read-only file system, ...).
-  The partial step was removed; the earlier steps are intact and a rerun resumes from the
-  latest of them."""
-
-
-# tensorstore reports a failed write as ValueError("... [os_error_code='28']"), a refusal of
-# the storage service (quota, permissions; no OS error behind it) by its status code
-_OS_CODE = re.compile(r"os_error_code='?(\d+)")
-_REFUSED = re.compile(r"^(RESOURCE_EXHAUSTED|PERMISSION_DENIED): ")
-
-
-def os_problem(exc: BaseException) -> Optional[tuple]:
-  """(errno or None, what the OS said) when ``exc``, or an exception it was raised from, is a
-  failed file operation: an OSError, or a tensorstore error carrying an OS error code. None
-  for anything else (a bug, not the storage)."""
-  todo, seen = [exc], set()
-  while todo:
-    e = todo.pop(0)
-    if e is None or id(e) in seen:
-      continue
-    seen.add(id(e))
-    code = e.errno if isinstance(e, OSError) else None
-    if code is None and not isinstance(e, OSError):
-      m = _OS_CODE.search(str(e))
-      code = int(m.group(1)) if m else None
-    if code is not None:
-      what = os.strerror(code)
-      return code, what[:1].lower() + what[1:]
-    if isinstance(e, OSError) or _REFUSED.match(str(e)):  # e.g. a barrier's TimeoutError
-      return None, short_reason(e)
-    todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-  return None
-
-
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
-# orbax's threads of one save (waited for after a failure, before its tmp directory is removed)
-_SAVE_THREADS = (
-  "array_type_handler",
-  "write_metadata_after_commits",
-  "async_save",
-  "asyncio_",
-  "(_target_setting_result)",
-)
-_SETTLE_S = 10.0  # at most this long waiting for them
-_LOGGED: list = []  # (time, errno, what) of the storage errors _StorageNoise kept off stderr
-_ORBAX = os.sep + "orbax" + os.sep
-
-
-def _orbax_frames(tb) -> bool:
-  while tb is not None:
-    if _ORBAX in tb.tb_frame.f_code.co_filename:
-      return True
-    tb = tb.tb_next
-  return False
-
-
-class _StorageNoise(logging.Filter):
-  """Drops orbax's error records of a failed file write (logged by its threads, or by asyncio
-  for its tasks and futures): the failure reaches the caller as one ``CheckpointSaveError``
-  instead of a traceback per thread and task. Records of other code pass."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    exc = record.exc_info[1] if record.exc_info else None
-    if record.levelno < logging.ERROR or exc is None:
-      return True
-    try:
-      ours = (
-        _ORBAX in record.pathname
-        or _orbax_frames(exc.__traceback__)
-        # a tensorstore write error (lca-jax writes tensorstore only through orbax), e.g. on a
-        # future nobody awaited any more: asyncio logs it, without a traceback
-        or (not isinstance(exc, OSError) and _OS_CODE.search(str(exc)) is not None)
-      )
-      if not ours:
-        return True
-      problem = os_problem(exc)
-      if problem is not None and problem[0] is not None and len(_LOGGED) < 100:
-        _LOGGED.append((time.monotonic(), *problem))
-      return problem is None
-    except Exception:  # noqa: BLE001 - never break logging (e.g. at interpreter shutdown)
-      return True
-
-
-def _closed_loop_callback(exc_type, exc, tb) -> bool:
-  """True for the RuntimeError("Event loop is closed") that tensorstore prints when a write
-  finishes after orbax gave up on its batch (the first failed write ends orbax's event loop;
-  the others' completion callbacks then find it closed): raised at the top of
-  ``loop.call_soon_threadsafe`` called from native code, so never a program's own error."""
-  if exc_type is not RuntimeError or str(exc) != "Event loop is closed" or tb is None:
-    return False
-  code = tb.tb_frame.f_code
-  return code.co_name == "call_soon_threadsafe" and "asyncio" in code.co_filename
-
-
-_quiet_installed = False
-
-
-def _quiet_storage_noise() -> None:
-  """Install (once) the filters that keep a failed save's duplicate reports off stderr."""
-  global _quiet_installed
-  if _quiet_installed:
-    return
-  _quiet_installed = True
-  noise = _StorageNoise()
-  for name in ("absl", "asyncio"):
-    logging.getLogger(name).addFilter(noise)
-  prev = sys.unraisablehook  # tensorstore reports a failing callback as "unraisable"
-
-  def unraisablehook(args):
-    if not _closed_loop_callback(args.exc_type, args.exc_value, args.exc_traceback):
-      prev(args)
-
-  sys.unraisablehook = unraisablehook
-
-
-class _IteratorSnapshot:
-  """An iterator state frozen at save time (grain's handler calls ``get_state()``, which may
-  happen on orbax's background thread while the live iterator has moved on)."""
-
-  def __init__(self, state: Any):
-    self._raw = json.dumps(state, indent=1).encode()
-
-  def get_state(self) -> bytes:
-    return self._raw
-
-
-def _grain_handler():
-  from lca_jax.data import pipeline  # pylint: disable=g-import-not-at-top
-
-  return pipeline.checkpoint_handler()
-
-
-def _grain_save(state):
-  import grain  # pylint: disable=g-import-not-at-top
-
-  return grain.checkpoint.CheckpointSave(_IteratorSnapshot(state))
-
-
-def _grain_restore(data):
-  """``data``: a ``lca_jax.data`` Pipeline (its own restore args) or a grain iterator."""
-  if hasattr(data, "restore_args"):
-    return data.restore_args()
-  import grain  # pylint: disable=g-import-not-at-top
-
-  return grain.checkpoint.CheckpointRestore(data)
-
-
-def check_process_count(step_dir: str, n: int) -> None:
-  """A ``ConfigMismatchError`` when the step's data-iterator state was written by another
-  number of processes (each process checkpoints its own position in its shard of the data)."""
-  data = os.path.join(step_dir, "data")
-  if not os.path.isdir(data):
-    return
-  counts = set()
-  for name in os.listdir(data):
-    m = re.fullmatch(r"process_\d+-of-(\d+)\.json", name)
-    if m:
-      counts.add(int(m.group(1)))
-  if counts and n not in counts:
-    raise ConfigMismatchError(
-      f"the checkpoint in {os.path.dirname(step_dir)} was written by {max(counts)} processes, "
-      f"this run has {n}: resume it with {max(counts)} processes (any number of devices per "
-      "process), or start a new --workdir with train.init_from=<this workdir> (params only)"
-    )
-
-
 # ---- the manager --------------------------------------------------------------------------
 def _handlers(with_data: bool):
   h = {name: ocp.StandardCheckpointHandler() for name in ("params", "opt_state", "step", "rng")}
   h["meta"] = ocp.JsonCheckpointHandler()
   if with_data:
-    h["data"] = _grain_handler()
+    h["data"] = data_lib.grain_handler()
   return h
 
 
@@ -300,10 +118,10 @@ class Checkpointer:
     self._failure: Optional[BaseException] = None  # a failed save: raised by save / close
     self._failure_raised = False
     self._cleanup_lock = threading.Lock()
-    self._barriers = distributed.AbortableBarriers("lca_checkpoint")
+    self._barriers = collectives.AbortableBarriers("lca_checkpoint")
     self._saving: Optional[int] = None  # the step of the save in flight (the barriers' scope)
     if not read_only:
-      _quiet_storage_noise()
+      save_failures.quiet_storage_noise()
       if jax.process_index() == 0 and os.path.isdir(self.directory):
         for name in os.listdir(self.directory):
           if name.startswith(PROBE_MARK):  # left by a crash during a probe
@@ -328,7 +146,7 @@ class Checkpointer:
       meta=ocp.args.JsonSave(dict(meta or {}, step=step)),
     )
     if data_state is not None:
-      items["data"] = _grain_save(data_state)
+      items["data"] = data_lib.grain_save(data_state)
     self._finish_pending()  # the previous (asynchronous) save
     self._raise_failure()
     started = (set(threading.enumerate()), time.monotonic())
@@ -390,9 +208,9 @@ class Checkpointer:
     try:
       self._probe(step)
     except Exception:
-      distributed.processes_saying_no(False)  # a collective: the others are waiting for it
+      collectives.processes_saying_no(False)  # a collective: the others are waiting for it
       raise
-    failed = distributed.processes_saying_no(True)
+    failed = collectives.processes_saying_no(True)
     if failed:
       raise PeerSaveError(failed)
 
@@ -413,7 +231,7 @@ class Checkpointer:
       return
     try:
       self._barriers.wait(key, timeout_ms / 1000, scope)
-    except distributed.BarrierAborted as e:
+    except collectives.BarrierAborted as e:
       raise PeerSaveError(e.processes) from None
 
   def _probe(self, step: int) -> None:
@@ -437,54 +255,12 @@ class Checkpointer:
     threads alive and the time when the save began."""
     before, t0 = started
     with self._cleanup_lock:
-      self._settle(before)
-      gc.collect()  # ends the failed batch's coroutines now, not noisily at interpreter exit
-      # one still held by a writer thread may only be finalized at exit ("coroutine
-      # 'write_fragment' was never awaited"): after a failed save that is expected, not news
-      warnings.filterwarnings(
-        "ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning
-      )
+      save_failures.settle(before)
       self._remove_partial(step)
       self._unsealed = [s for s in self._unsealed if s != step]
-      problem = os_problem(exc)
-      if problem is None:
-        self._failure = exc
-        return
-      code, what = problem
-      if code is None:  # e.g. a timeout waiting for a thread that failed: use what it said
-        code, what = next(((c, w) for t, c, w in _LOGGED if t >= t0), problem)
-      prev = self._committed_steps(exclude=step)
-      fix = (
-        "once space is freed"
-        if code in _NO_SPACE
-        else "once it is writable"
-        if code in _NOT_WRITABLE
-        else "once that is fixed"
+      self._failure = save_failures.failure_error(
+        exc, step, self.directory, self._committed_steps(exclude=step), since=t0
       )
-      if prev:
-        tail = (
-          f"the previous checkpoint at step {max(prev)} is intact (rerun the same command "
-          f"{fix} to resume from it)"
-        )
-      else:
-        tail = f"there is no earlier checkpoint (rerun the same command {fix})"
-      self._failure = CheckpointSaveError(
-        f"checkpoint save at step {step} failed: {what} ({self.directory}); {tail}"
-      )
-
-  @staticmethod
-  def _settle(before: set) -> None:
-    """Wait (bounded) for the threads orbax started for the failed save: they may still be
-    writing into its tmp directory (only the first failure ends orbax's wait)."""
-    deadline = time.monotonic() + _SETTLE_S
-    me = threading.current_thread()
-    for t in threading.enumerate():
-      if t in before or t is me or not any(n in t.name for n in _SAVE_THREADS):
-        continue
-      try:
-        t.join(max(0.0, deadline - time.monotonic()))
-      except Exception:  # noqa: BLE001 - orbax's threads re-raise their error on join
-        pass
 
   def _remove_partial(self, step: int) -> None:
     """Remove the tmp directory of ``step`` (process 0; the directory is shared)."""
@@ -538,7 +314,7 @@ class Checkpointer:
       rng=ocp.args.StandardRestore({"key": abstract_state.rng}),
     )
     if data_iterator is not None:
-      items["data"] = _grain_restore(data_iterator)
+      items["data"] = data_lib.grain_restore(data_iterator)
     out = self.manager.restore(step, args=ocp.args.Composite(**items))
     return abstract_state.replace(
       params=out["params"],
@@ -583,7 +359,7 @@ class Checkpointer:
     dest = None
     if jax.process_index() == 0:
       dest = set_aside(self.workdir, step)
-    distributed.barrier(f"lca_set_aside_{step}")
+    collectives.barrier(f"lca_set_aside_{step}")
     self.manager.reload()
     return dest
 
@@ -596,13 +372,13 @@ class Checkpointer:
     steps = sorted(self.all_steps(), reverse=True)
     if not steps:
       return None, None
-    check_process_count(os.path.join(self.directory, str(steps[0])), jax.process_count())
+    data_lib.check_process_count(os.path.join(self.directory, str(steps[0])), jax.process_count())
     multi = jax.process_count() > 1
     bad = []
     for i, step in enumerate(steps):
       nxt = steps[i + 1] if i + 1 < len(steps) else None
       reason = verify_step(os.path.join(self.directory, str(step)))
-      if not distributed.all_agree(reason is None):
+      if not collectives.all_agree(reason is None):
         reason = reason or "unreadable on another process"
       if reason is None:
         check_step_model(self.workdir, step, abstract_state.params)  # not corrupt: named

@@ -1,5 +1,5 @@
-"""Multi-process runs: ``jax.distributed.initialize`` from flags / the environment, failure
-detection, and a hang watchdog.
+"""Joining and leaving a multi-process run: ``jax.distributed.initialize`` from flags / the
+environment, and ``exit_now``.
 
 Where the parameters come from (first match wins, per field):
 
@@ -20,14 +20,15 @@ every surviving process terminates with the message "Terminating process because
 distributed service detected fatal errors ... another task died" (SIGABRT, exit status 134)
 instead of hanging in its next collective. If process 0 itself dies, the others notice at
 once (the service's socket closes) and terminate the same way. A process that is alive but
-stuck (deadlock, hung filesystem) keeps sending heartbeats; the optional :class:`Watchdog`
-(``lca-train --watchdog SECONDS``) ends it (exit status 3), and the heartbeat then ends the others.
+stuck (deadlock, hung filesystem) keeps sending heartbeats; the optional
+:class:`lca_jax.train.watchdog.Watchdog` (``lca-train --watchdog SECONDS``) ends it (exit
+status 3), and the heartbeat then ends the others. Collectives among the processes
+(agreement, barriers) are in :mod:`lca_jax.train.collectives`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 import os
 import re
 import socket
@@ -38,20 +39,17 @@ import time
 from typing import Mapping, Optional, Sequence
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 from lca_jax.errors import LcaError
 
 DEFAULT_HEARTBEAT_TIMEOUT = 60  # seconds; jax's own default is 100
 DEFAULT_INIT_TIMEOUT = 300  # seconds to wait for all processes to connect
-EXIT_HUNG = 3  # exit status of a process ended by the watchdog
 # How long a failing process waits for the others in jax.distributed's shutdown before it
 # leaves without them. A grace shorter than a peer's own cleanup of the same failure ends
 # that peer mid-cleanup: the coordination service (process 0) closing, or a process missing
 # from the shutdown barrier, makes jax abort the others (status 134) before they print their
 # line. A failed checkpoint save alone waits up to 10 s for orbax's writer threads
-# (checkpoint._SETTLE_S), longer on a loaded machine; a 10 s grace lost that race in CI.
+# (save_failures.SETTLE_S), longer on a loaded machine; a 10 s grace lost that race in CI.
 # Processes that fail together leave together at once; the grace only delays an error that
 # one process saw alone, while the others wait for it in a collective.
 EXIT_GRACE_S = 60.0
@@ -339,68 +337,6 @@ def initialize(cfg: DistConfig) -> None:
     ) from None
 
 
-# ---- hang watchdog -------------------------------------------------------------------------
-class Watchdog:
-  """Ends the process (exit status ``EXIT_HUNG``) when ``beat()`` has not been called for
-  ``timeout`` seconds while armed. ``arm()`` (re)starts the clock, ``suspend()`` stops it (the
-  loop arms it after its first step and suspends it during the first eval and the first
-  checkpoint, so compiles and one-time setup are not counted); ``beat(what)`` records
-  progress."""
-
-  def __init__(self, timeout: float, name: str = "lca-train", on_expire=None):
-    self.timeout = float(timeout)
-    self.name = name
-    self._last = time.monotonic()
-    self._what = "start"
-    self._armed = False
-    self._stop = threading.Event()
-    self._on_expire = on_expire or self._expire
-    self._thread = None
-    if self.timeout > 0:
-      self._thread = threading.Thread(target=self._run, name="lca-watchdog", daemon=True)
-      self._thread.start()
-
-  def arm(self, what: str = "armed") -> None:
-    self._armed = True
-    self.beat(what)
-
-  def suspend(self, what: str = "") -> None:
-    self._armed = False
-    if what:
-      self._what = what
-
-  def beat(self, what: str = "") -> None:
-    self._last = time.monotonic()
-    if what:
-      self._what = what
-
-  def close(self) -> None:
-    self._stop.set()
-
-  def _run(self):
-    period = min(1.0, self.timeout / 4)
-    while not self._stop.wait(period):
-      if self._armed and time.monotonic() - self._last > self.timeout:
-        self._on_expire()
-        return
-
-  def _expire(self):
-    idle = time.monotonic() - self._last
-    print(
-      f"{self.name}: error: no progress for {idle:.0f}s (watchdog {self.timeout:.0f}s; last: "
-      f"{self._what}). A process of this run is stuck or a peer is gone; exiting with "
-      f"status {EXIT_HUNG}. Thread stacks follow.",
-      file=sys.stderr,
-      flush=True,
-    )
-    try:
-      faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    except Exception:  # noqa: BLE001 - best effort
-      pass
-    sys.stderr.flush()
-    os._exit(EXIT_HUNG)  # pylint: disable=protected-access
-
-
 def _shutdown_quietly() -> None:
   """jax.distributed.shutdown; its failure (a peer gone from the barrier) is not news to a
   process that is leaving with its own error line printed."""
@@ -432,141 +368,15 @@ def local_process_info() -> str:
   )
 
 
-def all_agree(flag: bool) -> bool:
-  """True on every process iff ``flag`` is True on every process (False when one says False)."""
-  return not processes_saying_no(flag)
-
-
-def processes_saying_no(flag: bool) -> list:
-  """The indices of the processes whose ``flag`` is False (the same list on every process; a
-  collective: every process must call it)."""
-  if jax.process_count() == 1:
-    return [] if flag else [0]
-  flags = np.asarray(multihost_utils.process_allgather(np.array([bool(flag)]))).reshape(-1)
-  return [int(i) for i in np.flatnonzero(~flags)]
-
-
-def barrier(name: str) -> None:
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(name)
-
-
-class BarrierAborted(DistributedError):
-  """A barrier that another process aborted (its part of the shared work failed)."""
-
-  def __init__(self, processes: Sequence[int]):
-    super().__init__(f"aborted by process {', '.join(str(p) for p in processes)}")
-    self.processes = list(processes)
-
-
-def _client():
-  """jax's coordination-service client: the key-value store of the run's processes.
-
-  The one place lca-jax reaches into jax's private modules. jax (0.10 and 0.11) has no public
-  API for this store: ``jax.distributed`` exports only ``initialize``, ``shutdown`` and
-  ``is_initialized``, and orbax, ``jax.experimental.multihost_utils`` and jax's own
-  fault-tolerance guide read the client from ``jax._src.distributed.global_state`` as here.
-  Collectives are no substitute: these barriers run on orbax's background threads while the
-  main thread runs train steps. Imported here, not at the top, so that only the barriers of
-  multi-process checkpoint saves depend on that private module."""
-  if not jax.distributed.is_initialized():
-    raise DistributedError("jax.distributed is not initialized")
-  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-
-  return jax_distributed.global_state.client
-
-
-def _processes_under(client, prefix: str) -> list:
-  """The process indices keyed under ``prefix`` (keys ``prefix<index>``), sorted."""
-  return sorted(int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(prefix))
-
-
-def _timed_out(exc: Exception) -> bool:
-  return "DEADLINE_EXCEEDED" in str(exc)
-
-
-class AbortableBarriers:
-  """Barriers among all processes, kept in the coordination service's key-value store, that
-  any process can abort: ``wait`` returns once every process has reached the same barrier,
-  and raises :class:`BarrierAborted` as soon as a process calls ``abort`` for the same
-  ``scope`` (a unit of shared work, e.g. one checkpoint step). A barrier of jax's service
-  cannot be left early: a process whose part failed never arrives, and the others would wait
-  out the whole timeout (orbax's: 20 minutes) before they learnt anything.
-
-  Every process must pass the same barriers in the same order (the n-th ``wait`` on a key in
-  a scope meets the n-th on every process). Keys of a finished scope are deleted by process
-  0 once every process has passed a barrier of the next one."""
-
-  def __init__(self, namespace: str, poll_s: float = 0.1):
-    self._ns = namespace
-    self._poll_ms = max(1, int(poll_s * 1000))
-    self._uses: dict = {}
-    self._lock = threading.Lock()
-    self._last_scope: Optional[str] = None
-
-  def abort(self, scope: str) -> None:
-    if jax.process_count() > 1:
-      _client().key_value_set(f"{self._ns}/abort/{scope}/{jax.process_index()}", "1", True)
-
-  def aborted_by(self, scope: str) -> list:
-    """The processes that aborted ``scope`` (sorted; empty when none did)."""
-    return _processes_under(_client(), f"{self._ns}/abort/{scope}/")
-
-  def wait(self, key: str, timeout_s: float, scope: str) -> None:
-    n = jax.process_count()
-    if n == 1:
-      return
-    client = _client()
-    with self._lock:
-      use = self._uses.get((scope, key), 0)
-      self._uses[(scope, key)] = use + 1
-    base = f"{self._ns}/barrier/{scope}/{key}#{use}"
-    client.key_value_set(f"{base}/in/{jax.process_index()}", "1")
-    if len(client.key_value_dir_get(f"{base}/in/")) >= n:  # the last one in opens it
-      client.key_value_set(f"{base}/open", "1", True)
-    deadline = time.monotonic() + timeout_s
-    while True:
-      failed = self.aborted_by(scope)
-      if failed:
-        raise BarrierAborted(failed)
-      left_ms = int((deadline - time.monotonic()) * 1000)
-      if left_ms <= 0:
-        arrived = set(_processes_under(client, f"{base}/in/"))
-        missing = ", ".join(str(i) for i in range(n) if i not in arrived)
-        raise TimeoutError(f"waited {timeout_s:.0f}s at barrier {key} for process {missing}")
-      try:
-        client.blocking_key_value_get(f"{base}/open", min(self._poll_ms, left_ms))
-        break
-      except Exception as e:  # noqa: BLE001 - jax's runtime error; a timeout polls again
-        if not _timed_out(e):
-          raise
-    self._forget_before(scope)
-
-  def _forget_before(self, scope: str) -> None:
-    """Process 0 deletes the keys of the previous scope: every process has passed a barrier
-    of this one, hence every barrier of that one."""
-    with self._lock:
-      last, self._last_scope = self._last_scope, scope
-      if last not in (None, scope):
-        self._uses = {k: v for k, v in self._uses.items() if k[0] != last}
-    if last not in (None, scope) and jax.process_index() == 0:
-      _client().key_value_delete(f"{self._ns}/barrier/{last}")
-
-
 __all__: Sequence[str] = (
   "DistConfig",
   "DistributedError",
-  "Watchdog",
   "resolve",
   "initialize",
   "wanted",
   "parse_nodelist",
   "first_slurm_host",
   "slurm_local_device_ids",
-  "all_agree",
-  "processes_saying_no",
-  "barrier",
-  "AbortableBarriers",
-  "BarrierAborted",
-  "EXIT_HUNG",
+  "exit_now",
+  "EXIT_GRACE_S",
 )

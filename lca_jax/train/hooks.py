@@ -243,7 +243,7 @@ class PeriodicCheckpoint:
 
 # ---- stall detection ------------------------------------------------------------------------
 class WatchdogHook:
-  """Drives a ``distributed.Watchdog``: armed after the first step (compiling it is not
+  """Drives a ``watchdog.Watchdog``: armed after the first step (compiling it is not
   counted), a beat after every later step, paused while a first-time action runs and armed
   again when it is done."""
 

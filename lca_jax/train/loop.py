@@ -44,6 +44,7 @@ from lca_jax.train import sharding as shd
 from lca_jax.train import state as st
 from lca_jax.train import step as step_lib
 from lca_jax.train import stop as stop_lib
+from lca_jax.train import watchdog as watchdog_lib
 from lca_jax.train.errors import TrainError
 from lca_jax.train.stop import request_stop  # noqa: F401  (public API: loop.request_stop)
 from lca_jax.workdir import params as workdir_params
@@ -366,9 +367,7 @@ def train_and_evaluate(
   checkpoint. ``devices``: the devices of the mesh (default all). ``on_step(step, batch)`` is
   called with each host batch before it is trained on (step counts from 0). ``watchdog`` > 0:
   end the process (exit status 3) when no step, eval or checkpoint completes for that many
-  seconds after the first step (a stuck process or collective; ``distributed.Watchdog``)."""
-  from lca_jax.train import distributed  # pylint: disable=g-import-not-at-top
-
+  seconds after the first step (a stuck process or collective; ``watchdog.Watchdog``)."""
   cfg_dict = config.to_dict()
   model_cfg = model_config_of(config)
   inputs.check_data_files(config)  # a data glob that matches nothing leaves no work directory
@@ -387,7 +386,7 @@ def train_and_evaluate(
     # closed first, then the handlers removed, then the rest of ``cleanup`` closed.
     with (
       _stop_requests() as stop,
-      contextlib.closing(distributed.Watchdog(float(watchdog or 0))) as dog,
+      contextlib.closing(watchdog_lib.Watchdog(float(watchdog or 0))) as dog,
     ):
       latest = ckpt.latest_step()
       if latest is not None:
