@@ -10,10 +10,9 @@ with W of ``matrix_mb`` MB, chained ``chain`` times inside one call (each produc
 depends on the last one's output, so none is hoisted and dispatch is paid once), best of
 ``repeats`` calls: ``bytes(W) * chain / seconds``. The tools size W as the model's float32
 parameters (``stream_mb_for``, at least ``MIN_STREAM_MB``), so that the probe streams from the
-level of the memory hierarchy a decode step of that model streams its weights from. A fixed
-size misleads on some hosts: a 128 MB W, the former default, stays in the 480 MB L3 of an Intel
-Xeon test host (2026-12-04), where the probe then gave 46 GB/s while the 374M model's steps,
-563 MB of weights from DRAM, ran at 25 GB/s (its probe at 1.5 GB: see design §6.5).
+level of the memory hierarchy a decode step of that model streams its weights from: a fixed
+size misleads on hosts whose last-level cache holds the probe's matrix but not the model's
+weights (docs/performance.md has such a case).
 
 Bytes one step must read (``step_read_bytes``), per mode at batch B, W bytes fed per row
 (1 in ntp, n in threshold / verify), weights at the size decoding stores them

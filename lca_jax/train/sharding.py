@@ -78,9 +78,8 @@ def cpu_device_count(mesh_cfg, cores: Optional[int] = None) -> int:
   leaves a core idle whenever it runs a sequential part (a blockwise-attention loop nest, a
   chain of small ops); two keep both busy. Auto = 2 on a host with >= 2 cores, else 1; the rows
   of a step are data-parallel over them when they divide, else the devices split the heads and
-  the MLP (``cpu_mesh``). Measured on 2 cores (``tools/bench_vs_upstream.py train``, d 256):
-  4 x 1024 bytes data-parallel 3.87 -> 3.18 s per step; 1 x 4096 tensor-parallel 6.1 -> 5.0 s.
-  Accelerator backends ignore it."""
+  the MLP (``cpu_mesh``); docs/performance.md has the step times. Accelerator backends ignore
+  it."""
   n = int(mesh_cfg.get("cpu_devices", 0) or 0) if hasattr(mesh_cfg, "get") else 0
   if n < 0:
     raise MeshError(f"mesh.cpu_devices must be >= 0 (0 = auto), got {n}")
