@@ -233,6 +233,27 @@ def test_decode_loop_is_one_cuda_graph(optimized, monkeypatch):
 
 
 @needs_plugin
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_decode_step_that_runs_no_latent_lm_does_no_work_per_lm_layer(optimized, batch):
+  """The latent LM runs under a conditional and its caches are written after it: a step where
+  no group closes (the smallest branch) launches as many kernels with 1 LM layer as with 4
+  (one write of every layer's entries; the idle branch fills one stacked pair), while a step
+  that runs the LM launches more with more layers."""
+  from lca_jax.aot import check  # pylint: disable=g-import-not-at-top
+  from lca_jax.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+
+  steps = []
+  for n_lm in (1, 4):
+    c = _tiny_config("xla")
+    c.model.n_lm = n_lm
+    cfg = ModelConfig.from_dict(c.model.to_dict())
+    (r,) = check.decode_reports(cfg, targets.parse("h100"), [dict(batch=batch, mode="ntp")], 32, 32)
+    steps.append(r["step"])
+  assert steps[0]["kernels_least"] == steps[1]["kernels_least"], steps
+  assert steps[1]["kernels"] > steps[0]["kernels"], steps
+
+
+@needs_plugin
 def test_lca_train_aot_and_the_tool_as_a_user_runs_them():
   r = _run(
     ["-m", "lca_jax.cli.train", "--config", TINY, "--aot", "h200:2", "--json"],

@@ -128,13 +128,13 @@ def test_rehearsal(tmp_path, monkeypatch):
   for p in PARTS:
     assert (out / f"{p}.out").is_file() and (out / f"{p}.err").is_file(), p
   work = tmp_path / "work"
-  # the device line, each part, the closing summary of the benchmarks' figures
-  assert [c[0] for c in calls] == ["nvidia-smi"] + ["python3"] * (2 + len(PARTS))
-  assert calls[-1][3] == ["-", str(out)]
+  # the device line, the target config, each part, the closing summary of the figures
+  assert [c[0] for c in calls] == ["nvidia-smi"] + ["python3"] * (3 + len(PARTS))
+  assert calls[-1][3] == ["-", str(out)] and calls[2][3] == ["-", str(out)]
   calls = calls[:-1]
   assert calls[1][3][0] == "-c" and "jax.devices()" in calls[1][3][1]  # gpu.txt's device line
   ran = []
-  for prog, pythonpath, platforms, argv, *_ in calls[2:]:
+  for prog, pythonpath, platforms, argv, *_ in calls[3:]:
     assert pythonpath == str(work) and platforms == "cuda", (prog, pythonpath, platforms)
     if argv[:2] == ["-m", "pytest"]:
       files = [a for a in argv if a.startswith("tests/")]
@@ -161,12 +161,12 @@ def test_rehearsal(tmp_path, monkeypatch):
   ]
   # the paper-scale shapes of the issue: bench_kernel's defaults, micro-batch 16 first
   assert load_tool("bench_kernel").parse_args([]).seq == 4096
-  train = calls[4][3]
+  train = calls[5][3]
   assert "--config.train.micro_batch_size=16" in train
   assert "--config.train.global_batch_bytes=65536" in train
-  trains = [c[3] for c in calls[2:] if c[3][0] == "tools/bench_train.py"]
+  trains = [c[3] for c in calls[3:] if c[3][0] == "tools/bench_train.py"]
   assert ["--config.model.scan_min_layers=0" in a for a in trains] == [False, False, True]
-  decode = [c[3] for c in calls[2:] if c[3][0] == "tools/bench_decode.py"]
+  decode = [c[3] for c in calls[3:] if c[3][0] == "tools/bench_decode.py"]
   assert [(a[a.index("--batch") + 1], a[a.index("--n") + 1]) for a in decode] == [
     ("1", "3"),
     ("32", "3"),
@@ -175,9 +175,9 @@ def test_rehearsal(tmp_path, monkeypatch):
   ]
   # the GPU's parts share XLA's autotuning results; the host-loop part alone decodes without
   # the decode loop as one CUDA graph (LCA_JAX_GPU_GRAPHS=0, lca_jax/xla_options.py)
-  flags = [c[4] for c in calls[2:]]
+  flags = [c[4] for c in calls[3:]]
   assert all("--xla_gpu_per_fusion_autotune_cache_dir=" in f for f in flags)
-  graphs = [c[5] for c in calls[2:]]
+  graphs = [c[5] for c in calls[3:]]
   assert graphs == ["0" if p == "bench_decode_host_loop" else "" for p in PARTS]
 
 
@@ -190,7 +190,7 @@ def test_parts_and_budget(tmp_path):
   proc, calls, out = _rehearse(tmp_path / "b", env={"GPU_CHECK_BUDGET_S": "5"})
   assert proc.returncode == 0, proc.stderr
   assert set(_summary(out).values()) == {"skipped"} and list(_summary(out)) == PARTS
-  assert [c[0] for c in calls] == ["nvidia-smi", "python3", "python3"]  # device line, summary
+  assert [c[0] for c in calls] == ["nvidia-smi"] + ["python3"] * 3  # device, target, summary
   proc, calls, out = _rehearse(tmp_path / "c", env={"PARTS": "bench_kernel nope"})
   assert proc.returncode == 2 and "unknown part nope" in proc.stderr
   assert calls == []

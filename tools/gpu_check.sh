@@ -11,7 +11,8 @@
 # machine's Python lacks (docs/gpu.md says how to get them); they are installed into
 # /tmp/site without network before anything runs. Without wheels the machine's own packages
 # are used (the train benchmark then needs grain there). Results land in $OUT or
-# /tmp/gpu_check: one file per part (<part>.out / .err) and summary.txt (rc, seconds).
+# /tmp/gpu_check: one file per part (<part>.out / .err), summary.txt (rc, seconds), the
+# device's gpu_target_config.pbtxt and XLA's GEMM autotuning results (autotune.tgz).
 #
 # Environment:
 #   GPU_CHECK_BUDGET_S  seconds for all parts together (default 540): a part gets at most
@@ -88,6 +89,7 @@ else
   export JAX_PLATFORMS=cuda  # tests/conftest.py defaults to cpu
   # XLA's GEMM autotuning results, shared by the parts' processes (the first lent run, on
   # 2026-12-04, saw no paper-scale train or decode result within 150 s / 95 s a part)
+  # (kept: $OUT/autotune.tgz at the end, for deviceless compiles to load)
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/gpu_check_autotune"
   COLLECT=()
   KERNEL=()
@@ -100,6 +102,17 @@ else
 fi
 { nvidia-smi -L; python3 -c "import jax; print('jax', jax.__version__, jax.devices())"; } \
   > "$OUT/gpu.txt" 2>&1
+# the device's own target description (XLA writes it beside a dumped module), for deviceless
+# compiles (`--xla_gpu_target_config_filename`) to describe this GPU exactly
+python3 - "$OUT" >> "$OUT/gpu.txt" 2>&1 <<'PY'
+import glob, os, shutil, sys, tempfile
+import jax
+with tempfile.TemporaryDirectory() as d:
+  jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options={"xla_dump_to": d})
+  for f in glob.glob(os.path.join(d, "*gpu_target_config.pbtxt"))[:1]:
+    shutil.copy(f, os.path.join(sys.argv[1], "gpu_target_config.pbtxt"))
+    print("target config:", os.path.join(sys.argv[1], "gpu_target_config.pbtxt"))
+PY
 
 t_start=$SECONDS
 part() {  # name limit_s command...: run one part within what is left of the budget
@@ -154,6 +167,9 @@ for p in $PARTS; do
       tests/test_model_parity.py tests/test_model_causality.py ;;
   esac
 done
+if [ -d /tmp/gpu_check_autotune ]; then  # XLA's GEMM autotuning results, one file per fusion
+  tar -czf "$OUT/autotune.tgz" -C /tmp gpu_check_autotune 2>/dev/null
+fi
 cat "$OUT/gpu.txt" "$OUT/summary.txt"
 for p in test_kernels test_decode test_model; do
   [ -f "$OUT/$p.out" ] && tail -n 3 "$OUT/$p.out"

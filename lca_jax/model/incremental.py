@@ -46,7 +46,7 @@ class DecodeState:
   enc: Tuple  # per-layer KVCache (k [B, KV, L, E], v [B, KV, E, L])
   dec: Tuple
   mbp: Tuple
-  lm: Tuple  # per-layer KVCache (k [B, KV, S, E], v [B, KV, E, S])
+  lm: KVCache  # every LM layer's cache in one: k [B, N, KV, S, E], v [B, N, KV, E, S]
   z: jax.Array  # [B, S, D] LM outputs per slot (slot 0 = null group)
   s: jax.Array  # [B, S, D] pooled inputs per slot
   n_closed: jax.Array  # [B] closed groups
@@ -58,13 +58,50 @@ class DecodeState:
   last_copies: jax.Array  # [B, C, V] LCA-MBP logits at C copies after the last byte (or [B, 0, 0])
 
 
-def _kv(cfg: ModelConfig, n_layers, b, length, dtype):
-  """Per-layer zero ``KVCache``s (k [B, KV, L, E], v [B, KV, E, L]): the layouts in which a
-  decode step reads both without moving them (``layers.cached_attention``); with L = K new
-  slots, the entries of a ``lax.cond`` branch that computes none."""
-  k = (b, cfg.n_kv_heads, length, cfg.head_dim)
-  v = (b, cfg.n_kv_heads, cfg.head_dim, length)
-  return tuple(KVCache(jnp.zeros(k, dtype), jnp.zeros(v, dtype)) for _ in range(n_layers))
+def _zero_kv(cfg: ModelConfig, lead: tuple, length, dtype) -> KVCache:
+  """A zero ``KVCache`` of ``length`` slots with leading axes ``lead``: k [*lead, KV, L, E], v
+  [*lead, KV, E, L], the layouts in which a decode step reads both without moving them
+  (``layers.cached_attention``)."""
+  k = lead + (cfg.n_kv_heads, length, cfg.head_dim)
+  v = lead + (cfg.n_kv_heads, cfg.head_dim, length)
+  return KVCache(jnp.zeros(k, dtype), jnp.zeros(v, dtype))
+
+
+def _kv(cfg: ModelConfig, n_layers, b, length, dtype) -> tuple:
+  """Per-layer zero caches of a byte stack (k [B, KV, L, E], v [B, KV, E, L])."""
+  return tuple(_zero_kv(cfg, (b,), length, dtype) for _ in range(n_layers))
+
+
+# The latent LM's caches are one stacked KVCache (layer axis after the rows): the LM runs under
+# a ``lax.cond`` and its new entries are written after it, so one write stores every layer's
+# (and the branch that runs no LM fills one pair of buffers), where per-layer caches cost two
+# kernels per layer in every decode step, LM or not.
+
+
+def _layers(kv: KVCache) -> tuple:
+  """The per-layer views of a stacked cache ([B, N, ...] -> N x [B, ...])."""
+  return tuple(KVCache(kv.k[:, i], kv.v[:, i]) for i in range(kv.k.shape[1]))
+
+
+def _pad_to(x, axis: int, n: int):
+  """``x`` padded with zeros after its entries along ``axis`` to ``n``."""
+  return jnp.pad(x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+
+
+def _stacked(cfg: ModelConfig, entries, k: int) -> KVCache:
+  """Per-layer cache entries of c <= k slots stacked like the LM's cache (layer axis 1) and
+  padded with zeros to k slots. A decode step's few slots are one concatenation (fewest
+  kernels); a prefill's (``LM_WIDTHS_FROM`` slots or more) are written layer by layer into one
+  buffer, in place (a concatenation holds every layer's entries twice at its peak)."""
+  if k < LM_WIDTHS_FROM:
+    k_N = [_pad_to(e.k, 2, k) for e in entries]
+    v_N = [_pad_to(e.v, 3, k) for e in entries]
+    return KVCache(jnp.stack(k_N, axis=1), jnp.stack(v_N, axis=1))
+  out = _zero_kv(cfg, (entries[0].k.shape[0], len(entries)), k, entries[0].k.dtype)
+  for i, e in enumerate(entries):
+    c = e.k.shape[2]
+    out = KVCache(out.k.at[:, i, :, :c].set(e.k), out.v.at[:, i, ..., :c].set(e.v))
+  return out
 
 
 def _apply(cfg, params, method, *args, **kw):
@@ -104,22 +141,23 @@ def init_state(
   z = s = jnp.zeros((batch, 0, d), dt)
   lm = mbp = dec = ()
   if cfg.hierarchical:
-    lm = _kv(cfg, cfg.n_lm, batch, n_slots, dt)
+    lm = _zero_kv(cfg, (batch, cfg.n_lm), n_slots, dt)
     dec = _kv(cfg, cfg.n_dec, batch, length, dt)
     if with_mbp and cfg.has_lca:
       mbp = _kv(cfg, cfg.n_mbp, batch, length, dt)
     null = jnp.broadcast_to(params["null_group"].astype(dt), (batch, 1, d))
     zero = jnp.zeros((batch,), jnp.int32)
-    z0, lm = _stack(
+    z0, entries = _stack(
       cfg,
       params,
       "lm",
       null,
       jnp.zeros((batch, 1), jnp.int32),
       masks.cache_causal_mask(jnp.zeros((batch, 1), jnp.int32), n_slots),
-      lm,
-      CacheAccess(zero, old_slots=0),
+      _layers(lm),
+      CacheAccess(zero, old_slots=0, defer_write=True),
     )
+    lm = write_kv(lm, _stacked(cfg, entries, 1), zero)
     z = write_rows(jnp.zeros((batch, n_slots, d), dt), z0, zero)
     s = write_rows(jnp.zeros((batch, n_slots, d), dt), null, zero)
   k_mlp = cfg.n_mlp_mbp if with_mbp else 0
@@ -209,8 +247,8 @@ def _latents(
     def run():
       x, pos, mask = (a[:, :c] for a in (new_s, slot_pos, lm_mask))
       access = CacheAccess(first_slot, old_slots=old, defer_write=True)
-      z, kv = _stack(cfg, params, "lm", x, pos, mask, state.lm, access)
-      return _pad_slots(z, kv, k)
+      z, kv = _stack(cfg, params, "lm", x, pos, mask, _layers(state.lm), access)
+      return _pad_to(z, 1, k), _stacked(cfg, kv, k)
 
     return run
 
@@ -222,7 +260,7 @@ def _latents(
   i_width = jnp.sum(jnp.asarray(widths) < n_new)
   i_read = jnp.sum(jnp.asarray(reads[:-1], jnp.int32) < first_slot.max())
   pick = jnp.where(n_new == 0, 0, 1 + i_width * len(reads) + i_read)
-  idle = lambda: (jnp.zeros_like(new_s), _kv(cfg, cfg.n_lm, b, k, new_s.dtype))
+  idle = lambda: (jnp.zeros_like(new_s), _zero_kv(cfg, (b, cfg.n_lm), k, new_s.dtype))
   z_new, lm_new = jax.lax.switch(pick, [idle] + [lm_over(c, o) for c in widths for o in reads])
   z = write_rows(state.z, z_new, first_slot)
   s = write_rows(state.s, new_s, first_slot)
@@ -231,7 +269,7 @@ def _latents(
   closed_last = _take(closes_BK, blk.last_B)
   has = blk.has_B
   fields = dict(
-    lm=_write(state.lm, lm_new, first_slot),
+    lm=write_kv(state.lm, lm_new, first_slot),
     z=z,
     s=s,
     n_closed=state.n_closed + cum[:, -1],
@@ -293,13 +331,6 @@ def lm_reads(cfg: ModelConfig, batch: int, s: int) -> tuple:
   if s < LM_READS_FROM or lm_cache_share(cfg, batch, s) < LM_READS_SHARE:
     return (None,)
   return _quarter_half(s) + (None,)
-
-
-def _pad_slots(z_BCD, entries, k: int):
-  """The LM output and cache entries of c slots padded with zeros to k slots."""
-  c = z_BCD.shape[1]
-  pad = lambda x, axis: jnp.pad(x, [(0, k - c if a == axis else 0) for a in range(x.ndim)])
-  return pad(z_BCD, 1), tuple(KVCache(pad(kk, 2), pad(vv, 3)) for kk, vv in entries)
 
 
 def _last_rows(blk: _Block, last_only: bool):

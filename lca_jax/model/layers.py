@@ -275,21 +275,30 @@ def masked_attention(q_BTHE, k, v, mask_BTS, *, head_major: bool = False):
 
 def write_rows(cache_BS, new_BT, start_B, axis: int = 0):
   """Write ``new`` into ``cache`` at a per-row start index along ``axis`` of each row (ragged
-  batches). Like ``dynamic_update_slice``, a start that would run past the end is clamped."""
+  batches). Like ``dynamic_update_slice``, a start that would run past the end is clamped.
+
+  One row is one ``dynamic_update_slice`` (XLA writes it in place, fused with what computes
+  ``new``); several rows are the per-row write's batching (a scatter, which XLA:GPU lowers for a
+  single row as a read of the old slice, a select and the write: two kernels)."""
+  new_BT = new_BT.astype(cache_BS.dtype)
+  if cache_BS.shape[0] == 1:
+    return jax.lax.dynamic_update_slice_in_dim(cache_BS, new_BT, start_B[0], axis=axis + 1)
 
   def one(c, n, s):
-    return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=axis)
+    return jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=axis)
 
   return jax.vmap(one)(cache_BS, new_BT, start_B)
 
 
 def write_kv(cache, entries, write_B) -> KVCache:
-  """Store new cache entries (k [B, K, T, E], v [B, K, E, T]) at slots ``write_B`` (clamped so
-  that they fit, as ``Attention`` assumes when it reads them)."""
+  """Store new cache entries (k [B, ..., K, T, E], v [B, ..., K, E, T]; a stacked cache has a
+  layer axis after the rows) at slots ``write_B`` (clamped so that they fit, as ``Attention``
+  assumes when it reads them)."""
   k_c, v_c = cache
-  start = jnp.clip(write_B, 0, k_c.shape[2] - entries[0].shape[2])
+  start = jnp.clip(write_B, 0, k_c.shape[-2] - entries[0].shape[-2])
   return KVCache(
-    write_rows(k_c, entries[0], start, axis=1), write_rows(v_c, entries[1], start, axis=2)
+    write_rows(k_c, entries[0], start, axis=k_c.ndim - 3),
+    write_rows(v_c, entries[1], start, axis=v_c.ndim - 2),
   )
 
 
