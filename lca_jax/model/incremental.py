@@ -46,7 +46,7 @@ class DecodeState:
   enc: Tuple  # per-layer KVCache (k [B, KV, L, E], v [B, KV, E, L])
   dec: Tuple
   mbp: Tuple
-  lm: KVCache  # every LM layer's cache in one: k [B, N, KV, S, E], v [B, N, KV, E, S]
+  lm: Tuple  # per-layer KVCache (k [B, KV, S, E], v [B, KV, E, S])
   z: jax.Array  # [B, S, D] LM outputs per slot (slot 0 = null group)
   s: jax.Array  # [B, S, D] pooled inputs per slot
   n_closed: jax.Array  # [B] closed groups
@@ -72,15 +72,9 @@ def _kv(cfg: ModelConfig, n_layers, b, length, dtype) -> tuple:
   return tuple(_zero_kv(cfg, (b,), length, dtype) for _ in range(n_layers))
 
 
-# The latent LM's caches are one stacked KVCache (layer axis after the rows): the LM runs under
-# a ``lax.cond`` and its new entries are written after it, so one write stores every layer's
-# (and the branch that runs no LM fills one pair of buffers), where per-layer caches cost two
-# kernels per layer in every decode step, LM or not.
-
-
-def _layers(kv: KVCache) -> tuple:
-  """The per-layer views of a stacked cache ([B, N, ...] -> N x [B, ...])."""
-  return tuple(KVCache(kv.k[:, i], kv.v[:, i]) for i in range(kv.k.shape[1]))
+# The latent LM runs under a ``lax.cond`` and its new entries are written after it (see
+# ``CacheAccess.defer_write``): the branches return every layer's entries as one stacked pair
+# (layer axis 0), so the branch that runs no LM fills two buffers instead of two per layer.
 
 
 def _pad_to(x, axis: int, n: int):
@@ -89,18 +83,18 @@ def _pad_to(x, axis: int, n: int):
 
 
 def _stacked(cfg: ModelConfig, entries, k: int) -> KVCache:
-  """Per-layer cache entries of c <= k slots stacked like the LM's cache (layer axis 1) and
+  """Per-layer cache entries of c <= k slots stacked (layer axis 0) and
   padded with zeros to k slots. A decode step's few slots are one concatenation (fewest
   kernels); a prefill's (``LM_WIDTHS_FROM`` slots or more) are written layer by layer into one
   buffer, in place (a concatenation holds every layer's entries twice at its peak)."""
   if k < LM_WIDTHS_FROM:
     k_N = [_pad_to(e.k, 2, k) for e in entries]
     v_N = [_pad_to(e.v, 3, k) for e in entries]
-    return KVCache(jnp.stack(k_N, axis=1), jnp.stack(v_N, axis=1))
-  out = _zero_kv(cfg, (entries[0].k.shape[0], len(entries)), k, entries[0].k.dtype)
+    return KVCache(jnp.stack(k_N), jnp.stack(v_N))
+  out = _zero_kv(cfg, (len(entries), entries[0].k.shape[0]), k, entries[0].k.dtype)
   for i, e in enumerate(entries):
     c = e.k.shape[2]
-    out = KVCache(out.k.at[:, i, :, :c].set(e.k), out.v.at[:, i, ..., :c].set(e.v))
+    out = KVCache(out.k.at[i, :, :, :c].set(e.k), out.v.at[i, ..., :c].set(e.v))
   return out
 
 
@@ -141,23 +135,22 @@ def init_state(
   z = s = jnp.zeros((batch, 0, d), dt)
   lm = mbp = dec = ()
   if cfg.hierarchical:
-    lm = _zero_kv(cfg, (batch, cfg.n_lm), n_slots, dt)
+    lm = _kv(cfg, cfg.n_lm, batch, n_slots, dt)
     dec = _kv(cfg, cfg.n_dec, batch, length, dt)
     if with_mbp and cfg.has_lca:
       mbp = _kv(cfg, cfg.n_mbp, batch, length, dt)
     null = jnp.broadcast_to(params["null_group"].astype(dt), (batch, 1, d))
     zero = jnp.zeros((batch,), jnp.int32)
-    z0, entries = _stack(
+    z0, lm = _stack(
       cfg,
       params,
       "lm",
       null,
       jnp.zeros((batch, 1), jnp.int32),
       masks.cache_causal_mask(jnp.zeros((batch, 1), jnp.int32), n_slots),
-      _layers(lm),
-      CacheAccess(zero, old_slots=0, defer_write=True),
+      lm,
+      CacheAccess(zero, old_slots=0),
     )
-    lm = write_kv(lm, _stacked(cfg, entries, 1), zero)
     z = write_rows(jnp.zeros((batch, n_slots, d), dt), z0, zero)
     s = write_rows(jnp.zeros((batch, n_slots, d), dt), null, zero)
   k_mlp = cfg.n_mlp_mbp if with_mbp else 0
@@ -247,7 +240,7 @@ def _latents(
     def run():
       x, pos, mask = (a[:, :c] for a in (new_s, slot_pos, lm_mask))
       access = CacheAccess(first_slot, old_slots=old, defer_write=True)
-      z, kv = _stack(cfg, params, "lm", x, pos, mask, _layers(state.lm), access)
+      z, kv = _stack(cfg, params, "lm", x, pos, mask, state.lm, access)
       return _pad_to(z, 1, k), _stacked(cfg, kv, k)
 
     return run
@@ -260,7 +253,7 @@ def _latents(
   i_width = jnp.sum(jnp.asarray(widths) < n_new)
   i_read = jnp.sum(jnp.asarray(reads[:-1], jnp.int32) < first_slot.max())
   pick = jnp.where(n_new == 0, 0, 1 + i_width * len(reads) + i_read)
-  idle = lambda: (jnp.zeros_like(new_s), _zero_kv(cfg, (b, cfg.n_lm), k, new_s.dtype))
+  idle = lambda: (jnp.zeros_like(new_s), _zero_kv(cfg, (cfg.n_lm, b), k, new_s.dtype))
   z_new, lm_new = jax.lax.switch(pick, [idle] + [lm_over(c, o) for c in widths for o in reads])
   z = write_rows(state.z, z_new, first_slot)
   s = write_rows(state.s, new_s, first_slot)
@@ -269,7 +262,7 @@ def _latents(
   closed_last = _take(closes_BK, blk.last_B)
   has = blk.has_B
   fields = dict(
-    lm=write_kv(state.lm, lm_new, first_slot),
+    lm=_write(state.lm, [KVCache(k_, v_) for k_, v_ in zip(*lm_new)], first_slot),
     z=z,
     s=s,
     n_closed=state.n_closed + cum[:, -1],

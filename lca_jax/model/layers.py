@@ -291,14 +291,12 @@ def write_rows(cache_BS, new_BT, start_B, axis: int = 0):
 
 
 def write_kv(cache, entries, write_B) -> KVCache:
-  """Store new cache entries (k [B, ..., K, T, E], v [B, ..., K, E, T]; a stacked cache has a
-  layer axis after the rows) at slots ``write_B`` (clamped so that they fit, as ``Attention``
-  assumes when it reads them)."""
+  """Store new cache entries (k [B, K, T, E], v [B, K, E, T]) at slots ``write_B`` (clamped so
+  that they fit, as ``Attention`` assumes when it reads them)."""
   k_c, v_c = cache
-  start = jnp.clip(write_B, 0, k_c.shape[-2] - entries[0].shape[-2])
+  start = jnp.clip(write_B, 0, k_c.shape[2] - entries[0].shape[2])
   return KVCache(
-    write_rows(k_c, entries[0], start, axis=k_c.ndim - 3),
-    write_rows(v_c, entries[1], start, axis=v_c.ndim - 2),
+    write_rows(k_c, entries[0], start, axis=1), write_rows(v_c, entries[1], start, axis=2)
   )
 
 

@@ -120,8 +120,7 @@ def spans(length: int) -> tuple:
 
 
 # the byte-indexed fields of a DecodeState (axis of L) and the latent-slot ones (axis of S =
-# L + 1); each byte stack's kv cache is a KVCache (k [B, KV, L, E], v [B, KV, E, L]), the LM's
-# one KVCache stacked over its layers (k [B, N, KV, S, E], v [B, N, KV, E, S])
+# L + 1); each kv cache is a KVCache (k [B, KV, L, E], v [B, KV, E, L])
 _BYTE_AXES = dict(ids=1, b=1, g=1)
 _SLOT_AXES = dict(z=1, s=1)
 _KV_BYTES = ("enc", "dec", "mbp")
@@ -134,7 +133,7 @@ def _span_view(st: DecodeState, n: int, fn) -> DecodeState:
   new.update({k: fn(getattr(st, k), a, n + 1) for k, a in _SLOT_AXES.items()})
   kv = lambda caches, m: tuple(KVCache(fn(k, 2, m), fn(v, 3, m)) for k, v in caches)
   new.update({k: kv(getattr(st, k), n) for k in _KV_BYTES})
-  new["lm"] = KVCache(fn(st.lm.k, 3, n + 1), fn(st.lm.v, 4, n + 1))  # stacked over the layers
+  new["lm"] = kv(st.lm, n + 1)
   return st.replace(**new)
 
 
