@@ -58,44 +58,24 @@ class DecodeState:
   last_copies: jax.Array  # [B, C, V] LCA-MBP logits at C copies after the last byte (or [B, 0, 0])
 
 
-def _zero_kv(cfg: ModelConfig, lead: tuple, length, dtype) -> KVCache:
-  """A zero ``KVCache`` of ``length`` slots with leading axes ``lead``: k [*lead, KV, L, E], v
-  [*lead, KV, E, L], the layouts in which a decode step reads both without moving them
-  (``layers.cached_attention``)."""
-  k = lead + (cfg.n_kv_heads, length, cfg.head_dim)
-  v = lead + (cfg.n_kv_heads, cfg.head_dim, length)
-  return KVCache(jnp.zeros(k, dtype), jnp.zeros(v, dtype))
+def _kv(cfg: ModelConfig, n_layers, b, length, dtype):
+  """Per-layer zero ``KVCache``s (k [B, KV, L, E], v [B, KV, E, L]): the layouts in which a
+  decode step reads both without moving them (``layers.cached_attention``); with L = K new
+  slots, the entries of a ``lax.cond`` branch that computes none."""
+  k = (b, cfg.n_kv_heads, length, cfg.head_dim)
+  v = (b, cfg.n_kv_heads, cfg.head_dim, length)
+  return tuple(KVCache(jnp.zeros(k, dtype), jnp.zeros(v, dtype)) for _ in range(n_layers))
 
 
-def _kv(cfg: ModelConfig, n_layers, b, length, dtype) -> tuple:
-  """Per-layer zero caches of a byte stack (k [B, KV, L, E], v [B, KV, E, L])."""
-  return tuple(_zero_kv(cfg, (b,), length, dtype) for _ in range(n_layers))
+def _pack(entries, stack: bool):
+  """Per-layer cache entries as a ``lax.cond`` branch returns them: with ``stack`` one stacked
+  pair (k [N, B, KV, T, E], v [N, B, KV, E, T]), else per layer."""
+  return KVCache(*(jnp.stack(e) for e in zip(*entries))) if stack else tuple(entries)
 
 
-# The latent LM runs under a ``lax.cond`` and its new entries are written after it (see
-# ``CacheAccess.defer_write``): the branches return every layer's entries as one stacked pair
-# (layer axis 0), so the branch that runs no LM fills two buffers instead of two per layer.
-
-
-def _pad_to(x, axis: int, n: int):
-  """``x`` padded with zeros after its entries along ``axis`` to ``n``."""
-  return jnp.pad(x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
-
-
-def _stacked(cfg: ModelConfig, entries, k: int) -> KVCache:
-  """Per-layer cache entries of c <= k slots stacked (layer axis 0) and
-  padded with zeros to k slots. A decode step's few slots are one concatenation (fewest
-  kernels); a prefill's (``LM_WIDTHS_FROM`` slots or more) are written layer by layer into one
-  buffer, in place (a concatenation holds every layer's entries twice at its peak)."""
-  if k < LM_WIDTHS_FROM:
-    k_N = [_pad_to(e.k, 2, k) for e in entries]
-    v_N = [_pad_to(e.v, 3, k) for e in entries]
-    return KVCache(jnp.stack(k_N), jnp.stack(v_N))
-  out = _zero_kv(cfg, (len(entries), entries[0].k.shape[0]), k, entries[0].k.dtype)
-  for i, e in enumerate(entries):
-    c = e.k.shape[2]
-    out = KVCache(out.k.at[i, :, :, :c].set(e.k), out.v.at[i, ..., :c].set(e.v))
-  return out
+def _unpack(out, stack: bool) -> tuple:
+  """``_pack``'s per-layer entries."""
+  return tuple(KVCache(k, v) for k, v in zip(*out)) if stack else out
 
 
 def _apply(cfg, params, method, *args, **kw):
@@ -235,13 +215,18 @@ def _latents(
   lm_mask = masks.cache_causal_mask(slot_pos, state.z.shape[1])
 
   # The LM cache is written after the branch (zeros when it did not run: slots past n_closed
-  # are garbage until a group closes there).
+  # are garbage until a group closes there). A step's few new slots come back as one stacked
+  # pair (the branch that runs no LM then fills two buffers, not two per layer); a prefill's
+  # (LM_WIDTHS_FROM slots or more) per layer (a stack would hold them all twice at its peak).
+  stack = k < LM_WIDTHS_FROM
+
   def lm_over(c, old):
     def run():
       x, pos, mask = (a[:, :c] for a in (new_s, slot_pos, lm_mask))
       access = CacheAccess(first_slot, old_slots=old, defer_write=True)
       z, kv = _stack(cfg, params, "lm", x, pos, mask, state.lm, access)
-      return _pad_to(z, 1, k), _stacked(cfg, kv, k)
+      z, kv = _pad_slots(z, kv, k)
+      return z, _pack(kv, stack)
 
     return run
 
@@ -253,7 +238,7 @@ def _latents(
   i_width = jnp.sum(jnp.asarray(widths) < n_new)
   i_read = jnp.sum(jnp.asarray(reads[:-1], jnp.int32) < first_slot.max())
   pick = jnp.where(n_new == 0, 0, 1 + i_width * len(reads) + i_read)
-  idle = lambda: (jnp.zeros_like(new_s), _zero_kv(cfg, (cfg.n_lm, b), k, new_s.dtype))
+  idle = lambda: (jnp.zeros_like(new_s), _pack(_kv(cfg, cfg.n_lm, b, k, new_s.dtype), stack))
   z_new, lm_new = jax.lax.switch(pick, [idle] + [lm_over(c, o) for c in widths for o in reads])
   z = write_rows(state.z, z_new, first_slot)
   s = write_rows(state.s, new_s, first_slot)
@@ -262,7 +247,7 @@ def _latents(
   closed_last = _take(closes_BK, blk.last_B)
   has = blk.has_B
   fields = dict(
-    lm=_write(state.lm, [KVCache(k_, v_) for k_, v_ in zip(*lm_new)], first_slot),
+    lm=_write(state.lm, _unpack(lm_new, stack), first_slot),
     z=z,
     s=s,
     n_closed=state.n_closed + cum[:, -1],
@@ -324,6 +309,13 @@ def lm_reads(cfg: ModelConfig, batch: int, s: int) -> tuple:
   if s < LM_READS_FROM or lm_cache_share(cfg, batch, s) < LM_READS_SHARE:
     return (None,)
   return _quarter_half(s) + (None,)
+
+
+def _pad_slots(z_BCD, entries, k: int):
+  """The LM output and cache entries of c slots padded with zeros to k slots."""
+  c = z_BCD.shape[1]
+  pad = lambda x, axis: jnp.pad(x, [(0, k - c if a == axis else 0) for a in range(x.ndim)])
+  return pad(z_BCD, 1), tuple(KVCache(pad(kk, 2), pad(vv, 3)) for kk, vv in entries)
 
 
 def _last_rows(blk: _Block, last_only: bool):
