@@ -93,10 +93,26 @@ class _Compiled:
 
 
 def test_memory_counts_donated_outputs_once_and_says_by_how_much_it_misses():
-  m = report.memory(_Compiled(_Stats(10e9, 10e9, 9.5e9, 60e9)), int(80e9), int(9e9))
-  assert m["total_gb"] == pytest.approx(70.5) and m["fits"] and m["verdict"] == "fits"
-  m = report.memory(_Compiled(_Stats(10e9, 10e9, 10e9, 75e9)), int(80e9), int(9e9))
-  assert not m["fits"] and m["verdict"] == "does not fit by 5.00 GB"
+  m = report.memory(_Compiled(_Stats(10e9, 10e9, 9.5e9, 40e9)), int(80e9), int(9e9), 0.75)
+  assert m["total_gb"] == pytest.approx(50.5) and m["fits"] and m["fits_default_pool"]
+  assert m["verdict"].startswith("fits in JAX's memory pool (75%")
+  assert m["usable_gb"] == pytest.approx(60 - report.RUNTIME_MARGIN / 1e9)
+  # over the default pool, under the device: the fraction it needs
+  m = report.memory(_Compiled(_Stats(10e9, 10e9, 9.5e9, 60e9)), int(80e9), int(9e9), 0.75)
+  assert m["fits"] and not m["fits_default_pool"]
+  assert (
+    m["mem_fraction"] == pytest.approx(0.9)
+    and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.90" in m["verdict"]
+  )
+  m = report.memory(_Compiled(_Stats(10e9, 10e9, 10e9, 75e9)), int(80e9), int(9e9), 0.75)
+  assert not m["fits"] and m["verdict"] == "does not fit by 10.50 GB"  # 85 > 0.95 x 80 - 1.5
+
+
+def test_the_memory_pool_follows_jax_s_environment_variables():
+  assert report.pool_fraction({}) == 0.75
+  assert report.pool_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".9"}) == 0.9
+  assert report.pool_fraction({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}) == 1.0
+  assert report.pool_fraction({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}) == 1.0
 
 
 def test_hlo_summary_finds_a_dense_attention_matrix():
@@ -213,6 +229,9 @@ def test_pallas_train_step_runs_the_triton_kernels_without_a_dense_matrix(optimi
   assert pallas["custom_calls"].get("__gpu$xla.gpu.triton", 0) >= 6  # 3 stacks + the LCA head
   assert pallas["attention_buffers_TT"] == 0 and pallas["memory"]["fits"]
   assert pallas["mesh"]["data"] == 2 and pallas["micro_batch_per_device"] == 1
+  e = pallas["estimate"]  # the Pallas kernels priced from the keys they visit
+  assert e["split_s"]["attention"] > 0 and e["step_s"] >= e["floor_s"] > 0
+  assert 0 < e["mfu"] < e["floor_mfu"] < 1 and e["unknown_loops"] == 0
   (dense,) = check.train_reports(_tiny_config("dense"), targets.parse("h100:2"), ("train_step",))
   assert dense["attention_buffers_TT"] > 0  # the check sees a [T, T] matrix where there is one
 
@@ -226,9 +245,15 @@ def test_decode_loop_is_one_cuda_graph(optimized, monkeypatch):
   (r,) = check.decode_reports(cfg, targets.parse("h100"), [dict(batch=1, mode="ntp")], 32, 32)
   step = r["step"]
   assert step["loop_in_graph"] and step["host_syncs"] == 0 and step["kernels"] > 10
+  e = r["estimate"]  # one graph: every kernel of a step at the in-graph launch cost
+  assert e["idle_step"]["launches"] == step["kernels_least"]
+  assert e["lm_step"]["launches"] == step["kernels"] and e["lm_step"]["host_syncs"] == 0
+  assert e["floor_bytes_per_s"] >= e["bytes_per_s"] > 0 and e["estimate_over_floor"] >= 1
   monkeypatch.setenv("LCA_JAX_GPU_GRAPHS", "0")
   (r0,) = check.decode_reports(cfg, targets.parse("h100"), [dict(batch=1, mode="ntp")], 32, 32)
   assert not r0["step"]["loop_in_graph"] and r0["step"]["host_syncs"] >= 1
+  assert r0["estimate"]["lm_step"]["host_syncs"] >= 1
+  assert r0["estimate"]["lm_step"]["step_s"] > e["lm_step"]["step_s"]  # host launches, syncs
   assert r0["step"]["kernels"] == step["kernels"]
 
 
@@ -263,6 +288,9 @@ def test_lca_train_aot_and_the_tool_as_a_user_runs_them():
   reports = json.loads(r.stdout)
   assert [x["program"] for x in reports] == ["train_step", "eval_step"]
   assert reports[0]["device"].startswith("NVIDIA H200") and reports[0]["memory"]["fits"]
+  assert all(0 < x["estimate"]["mfu"] < 1 for x in reports)
+  r = _run(["-m", "lca_jax.cli.train", "--config", TINY, "--aot", "h100"], JAX_PLATFORMS="cpu")
+  assert r.returncode == 0 and "estimated step" in r.stdout and "MFU" in r.stdout, r.stdout
   r = _run(
     [TOOL, "--config", TINY, "--targets", "b200", "--gpus", "1", "--impls", "pallas"]
     + ["--decode", "none", "--micro-per-gpu", "2"],

@@ -9,8 +9,11 @@ count, ``--micro-per-gpu`` rows per GPU in a micro-batch), the eval step and the
 programs (batch 1 and 32; ntp, threshold tau 0 n 3, verify n 3): compile seconds, memory per
 device against the device's ("fits" / "does not fit by X GB"), fusions, Triton GEMM fusions,
 custom calls, buffers with two dimensions >= T, and for decode the kernels and host launches of
-one step with the bytes/s that launching them allows (``lca_jax/aot``). Progress goes to
-stderr. Needs jax's CUDA plugin (``make gpu-aot`` installs it into .venv-cuda); without it, one
+one step with the bytes/s that launching them allows (``lca_jax/aot``). Each program has an
+``estimate`` (``lca_jax.perf``, docs/gpu.md "Estimated time"): train and eval steps the
+estimated step time, bytes/s, MFU, the split by kind and the costliest kernels; decode programs
+the idle and LM step times and bytes/s at ``--bytes-per-group`` and ``--accepted`` next to the
+memory floor. Progress and a readable summary of each program go to stderr. Needs jax's CUDA plugin (``make gpu-aot`` installs it into .venv-cuda); without it, one
 line of error and exit status 2.
 """
 
@@ -33,8 +36,9 @@ aot.import_jax_for_gpu_targets()  # JAX_PLATFORMS=cpu: compile for GPUs, start n
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 
 from lca_jax import configs_io  # noqa: E402  pylint: disable=g-import-not-at-top
-from lca_jax.aot import check, targets  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.aot import check, targets, text  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.errors import LcaError  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.perf import hardware  # noqa: E402  pylint: disable=g-import-not-at-top
 
 DECODE_SETS = {"all": check.DECODE_CASES, "b1": check.DECODE_CASES[:3], "none": ()}
 
@@ -52,6 +56,17 @@ def _parser():
   p.add_argument("--micro-per-gpu", type=int, default=16, help="rows per GPU per micro-batch")
   p.add_argument("--decode", default="all", choices=sorted(DECODE_SETS), help="decode programs")
   p.add_argument("--out", default="", help="also write the JSON here")
+  p.add_argument(
+    "--bytes-per-group", type=float, default=0.0, help="estimate: bytes per group (0: 1/bp_prior)"
+  )
+  p.add_argument(
+    "--accepted",
+    type=float,
+    default=0.0,
+    help=f"estimate: bytes a row commits per verify/threshold step (0: {check.DEFAULT_ACCEPTED:g})",
+  )
+  p.add_argument("--launch-graph-us", type=float, default=hardware.Launch.graph_s * 1e6)
+  p.add_argument("--launch-host-us", type=float, default=hardware.Launch.host_s * 1e6)
   return p
 
 
@@ -65,19 +80,40 @@ def main(argv=None) -> int:
       targets.parse(name)
     gpus = [targets.parse(f"h100:{g}").n_devices for g in _list(args.gpus)]
     targets.require_plugin()
+    if (
+      args.bytes_per_group < 0
+      or args.accepted < 0
+      or min(args.launch_graph_us, args.launch_host_us) < 0
+    ):
+      raise ValueError("--bytes-per-group, --accepted and the launch costs must be >= 0")
   except (LcaError, ValueError) as e:
     print(f"gpu_aot: error: {e}", file=sys.stderr)
     return 2
-  t0 = time.perf_counter()
-  log = lambda r: print(
-    f"gpu_aot: {r['target']} {r['program']} {r.get('attention_impl', r.get('mode', ''))}: "
-    f"compile {r['compile_s']} s, {r['memory']['total_gb']} GB ({r['memory']['verdict']})",
-    file=sys.stderr,
-    flush=True,
+  work = check.Workload(
+    bytes_per_group=args.bytes_per_group or None,
+    accepted=args.accepted or None,
+    launch=hardware.Launch(args.launch_graph_us * 1e-6, args.launch_host_us * 1e-6),
   )
+  t0 = time.perf_counter()
+
+  def log(r):
+    print(
+      f"gpu_aot: {r['target']} {r['program']} {r.get('attention_impl', r.get('mode', ''))}: "
+      f"compile {r['compile_s']} s, {r['memory']['total_gb']} GB ({r['memory']['verdict']})",
+      file=sys.stderr,
+    )
+    print("\n".join(text.estimate_lines(r.get("estimate"))), file=sys.stderr, flush=True)
+
   try:
     reports = check.suite(
-      config, names, gpus, _list(args.impls), args.micro_per_gpu, DECODE_SETS[args.decode], log
+      config,
+      names,
+      gpus,
+      _list(args.impls),
+      args.micro_per_gpu,
+      DECODE_SETS[args.decode],
+      log,
+      work,
     )
   except (LcaError, ValueError) as e:
     print(f"gpu_aot: error: {e}", file=sys.stderr)
@@ -90,11 +126,11 @@ def main(argv=None) -> int:
     wall_s=round(time.perf_counter() - t0, 1),
     programs=reports,
   )
-  text = json.dumps(out, indent=1)
+  doc = json.dumps(out, indent=1)
   if args.out:
     with open(args.out, "w") as f:
-      f.write(text + "\n")
-  print(text)
+      f.write(doc + "\n")
+  print(doc)
   return 0
 
 

@@ -7,77 +7,178 @@ kernels and host work of one decode step (read from the thunk sequence XLA dumps
 compiles). ``train_reports(config, target)`` checks what ``lca-train`` would run;
 ``decode_reports`` the decode programs of ``generate``.
 
+Each report has an ``estimate`` (``lca_jax.perf``): the program's time priced kernel by kernel
+from the optimized HLO and the thunk sequence. Train and eval steps: ``step_s``, bytes/s,
+``mfu`` (useful FLOPs of the step, ``perf.workload``, over the estimated time x the dense bf16
+peak x GPUs), the split by kind and the most expensive kernels. Decode programs: the idle step
+(no group closes) and the LM step, and ``bytes_per_s`` at ``Workload.bytes_per_group`` and
+``Workload.accepted`` beside the memory floor (``floor_bytes_per_s``).
+
 Limits: no GEMM autotuning happens without a GPU (the Triton GEMM tiles are XLA's defaults; on a
 GPU each distinct GEMM fusion is autotuned at compile time, so ``gemm_fusions.distinct`` is the
 autotuning work), compile seconds are a lower bound of a GPU host's, and ``cost_analysis`` is
-empty.
+empty (hence the estimate of ``lca_jax.perf``).
 """
 
 from __future__ import annotations
 
-import glob
-import os
+import dataclasses
 import tempfile
 import time
+from typing import Optional
 
 import jax
 
 from lca_jax import backend, xla_options
 from lca_jax.aot import programs, report, targets
 from lca_jax.model.config import ModelConfig
+from lca_jax.perf import estimate, hardware, thunks, workload
 
-THUNKS = "*.thunk_sequence_after_thunk_passes.txt"
 FALLBACK = {"xla_gpu_enable_triton_gemm": False}  # GEMMs through cuBLAS
 
 
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """What the time estimate assumes of the data: bytes per group (None: the config's
+  1 / bp_prior), bytes a row commits per step in ``verify`` / ``threshold`` (None: 2, at most
+  the step's width), and the launch constants."""
+
+  bytes_per_group: Optional[float] = None
+  accepted: Optional[float] = None
+  launch: hardware.Launch = hardware.Launch()
+
+
+DEFAULT_ACCEPTED = 2.0
+
+
 def _compile(lowered, options: dict):
-  """(compiled, seconds, thunk sequence text or '') with ``options`` and a dump of the thunk
-  sequence (XLA writes it, with each kernel's PTX, into a temporary folder)."""
+  """(compiled, seconds, thunk sequence text, thunk metadata text) with ``options`` and a dump
+  of the thunk sequence (XLA writes it, with each kernel's PTX, into a temporary folder)."""
   with tempfile.TemporaryDirectory(prefix="lca_aot_") as d:
     opts = dict(options, xla_dump_to=d, xla_gpu_dump_llvmir=False, xla_dump_hlo_as_text=False)
     t0 = time.perf_counter()
     with backend.target("gpu"):
       compiled = lowered.compile(compiler_options=opts)
     seconds = time.perf_counter() - t0
-    found = sorted(glob.glob(os.path.join(d, THUNKS)), key=os.path.getsize)
-    thunks = open(found[-1]).read() if found else ""
-  return compiled, seconds, thunks
+    seq, meta = thunks.read_dump(d)
+  return compiled, seconds, seq, meta
 
 
-def check(program: programs.Program, target: targets.Target, options=None) -> dict:
+def _brief(s: dict) -> dict:
+  keys = ("step_s", "floor_s", "launch_s", "launches", "host_syncs", "flops", "bytes", "split_s")
+  return {k: s[k] for k in keys}
+
+
+def estimate_program(program, target, hlo_text, seq, meta, work: Workload = Workload()) -> dict:
+  """The ``estimate`` of one compiled program (module docstring)."""
+  gpu = hardware.gpu(target.name)
+  cfg = program.cfg
+  info = program.info
+  constants = dict(
+    dot_efficiency=gpu.dot_efficiency,
+    memory_efficiency=gpu.memory_efficiency,
+    launch_graph_us=work.launch.graph_s * 1e6,
+    launch_host_us=work.launch.host_s * 1e6,
+    sync_us=work.launch.sync_s * 1e6,
+    peak_bf16_tflops=gpu.bf16_flops / 1e12,
+    memory_tb_s=gpu.memory_bytes_per_s / 1e12,
+  )
+  if program.decode:
+    idle, lm = estimate.decode_steps(hlo_text, seq, meta, gpu, launch=work.launch)
+    mode = info["mode"]
+    width = int(info.get("n", 3)) if mode != "ntp" else 1
+    accepted = work.accepted or min(DEFAULT_ACCEPTED, width)
+    rates = workload.decode_rates(
+      cfg,
+      gpu,
+      idle["step_s"],
+      lm["step_s"],
+      mode=mode,
+      batch=info["batch"],
+      width=width,
+      prompt_len=info["prompt_len"],
+      max_bytes=info["max_bytes"],
+      bytes_per_group=work.bytes_per_group,
+      accepted=accepted,
+    )
+    return dict(
+      rates,
+      idle_step=_brief(idle),
+      lm_step=_brief(lm),
+      top_kernels=lm["top_kernels"],
+      constants=constants,
+      gpu=gpu.name,
+    )
+  hints = workload.train_hints(cfg, info["seq_len"], work.bytes_per_group)
+  s = estimate.estimate(
+    hlo_text, seq, meta, gpu, hints=hints, launch=work.launch, n_devices=target.n_devices
+  )
+  train = program.name == "train_step"
+  accum = info["accum"] if train else 1
+  useful = workload.train_useful_flops(
+    cfg, info["micro_batch"], info["seq_len"], accum, work.bytes_per_group
+  )
+  useful = useful if train else useful / 3.0  # eval: the forward (2 of 6 FLOPs per weight)
+  rows_bytes = accum * info["micro_batch"] * info["seq_len"]
+  mfu = useful / target.n_devices / (s["step_s"] * gpu.bf16_flops)
+  return dict(
+    s,
+    bytes_per_s=rows_bytes / s["step_s"],
+    useful_flops=useful,
+    mfu=mfu,
+    floor_mfu=useful / target.n_devices / (s["floor_s"] * gpu.bf16_flops),
+    hints=dict(trips=dict(hints.trips), keys_per_query=dict(hints.keys_per_query)),
+    constants=constants,
+  )
+
+
+def check(
+  program: programs.Program, target: targets.Target, options=None, work: Workload = Workload()
+) -> dict:
   """The report of ``program`` compiled for ``target`` with XLA ``options`` (default: those
-  the program runs with: the decode options for a decode program, none for the others)."""
+  the program runs with: the decode options for a decode program, none for the others), with
+  the time estimate under ``work``."""
   if options is None:
     with backend.target("gpu"):
       options = (xla_options.decode_options() or {}) if program.decode else {}
   out = dict(program=program.name, target=str(target), device=target.device_name)
   try:
-    compiled, seconds, thunks = _compile(program.lowered, options)
+    compiled, seconds, seq, meta = _compile(program.lowered, options)
   except jax.errors.JaxRuntimeError as e:
     # XLA without autotuning can fail to tile a Triton GEMM fusion that a GPU's autotuner
     # would have tiled (or sent to cuBLAS): say so and compile with cuBLAS GEMMs instead
     out["compile_error"] = str(e).splitlines()[0][:300]
     options = dict(options, **FALLBACK)
-    compiled, seconds, thunks = _compile(program.lowered, options)
+    compiled, seconds, seq, meta = _compile(program.lowered, options)
   out.update(program.info)
   out.update(lower_s=round(program.lower_s, 2), compile_s=round(seconds, 2))
   out["memory"] = report.memory(compiled, target.memory_bytes, program.state_bytes)
-  out.update(report.hlo_summary(compiled.as_text(), program.seq_len))
+  hlo_text = compiled.as_text()
+  out.update(report.hlo_summary(hlo_text, program.seq_len))
   if program.decode:
-    out["step"] = report.decode_step(thunks, program.bytes_per_step)
+    out["step"] = report.decode_step(seq, program.bytes_per_step)
+  if program.cfg is not None and seq:
+    out["estimate"] = estimate_program(program, target, hlo_text, seq, meta, work)
   if options:
     out["xla_options"] = dict(options)
   return out
 
 
-def train_reports(config, target: targets.Target, which=("train_step", "eval_step")) -> list:
+def train_reports(
+  config, target: targets.Target, which=("train_step", "eval_step"), work: Workload = Workload()
+) -> list:
   """Reports of the train and eval steps ``lca-train`` runs for ``config`` on ``target``."""
   progs = programs.train_programs(config, targets.devices(target))
-  return [check(p, target) for p in progs if p.name in which]
+  return [check(p, target, work=work) for p in progs if p.name in which]
 
 
 def decode_reports(
-  cfg: ModelConfig, target: targets.Target, cases, prompt_len: int = 256, max_bytes: int = 256
+  cfg: ModelConfig,
+  target: targets.Target,
+  cases,
+  prompt_len: int = 256,
+  max_bytes: int = 256,
+  work: Workload = Workload(),
 ) -> list:
   """Reports of the decode programs of ``cases``: dicts of ``generate`` options with a
   ``batch`` (e.g. ``dict(batch=1, mode="verify", n=3)``), on one device of ``target``."""
@@ -89,7 +190,7 @@ def decode_reports(
     p = programs.decode_program(
       cfg, device, batch=batch, prompt_len=prompt_len, max_bytes=max_bytes, **case
     )
-    out.append(check(p, targets.Target(target.name, 1)))
+    out.append(check(p, targets.Target(target.name, 1), work=work))
   return out
 
 
@@ -111,6 +212,7 @@ def suite(
   micro_per_gpu: int = 16,
   decode_cases=DECODE_CASES,
   log=None,
+  work: Workload = Workload(),
 ) -> list:
   """Reports of every production program of ``config`` for each target: the train step per
   attention implementation and GPU count (``micro_per_gpu`` rows per GPU in each micro-batch),
@@ -132,7 +234,7 @@ def suite(
         c.train.micro_batch_size = micro_per_gpu * n
         first = impl == impls[0] and n == gpu_counts[0]
         which = ("train_step", "eval_step") if first else ("train_step",)
-        add(train_reports(c, targets.Target(name, n), which))
+        add(train_reports(c, targets.Target(name, n), which, work))
     cfg = ModelConfig.from_dict(config.model.to_dict())
-    add(decode_reports(cfg, targets.Target(name, 1), decode_cases))
+    add(decode_reports(cfg, targets.Target(name, 1), decode_cases, work=work))
   return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,7 @@ class Program:
   lower_s: float = 0.0  # seconds to trace and lower it
   decode: bool = False  # a decode program (prefill + decode loop)
   bytes_per_step: float = 0.0  # decode: bytes a step commits at most (rows x bytes per row)
+  cfg: Optional[ModelConfig] = None  # the model (for the time estimate's workload)
 
 
 def shard_bytes(tree) -> int:
@@ -84,8 +85,24 @@ def train_programs(config, devices) -> list:
     )
     eval_s = time.perf_counter() - t0
   return [
-    Program("train_step", train, plan.seq_len, shard_bytes(setup.abstract), info, train_s),
-    Program("eval_step", eval_, plan.seq_len, shard_bytes(setup.abstract.params), info, eval_s),
+    Program(
+      "train_step",
+      train,
+      plan.seq_len,
+      shard_bytes(setup.abstract),
+      info,
+      train_s,
+      cfg=setup.model_cfg,
+    ),
+    Program(
+      "eval_step",
+      eval_,
+      plan.seq_len,
+      shard_bytes(setup.abstract.params),
+      info,
+      eval_s,
+      cfg=setup.model_cfg,
+    ),
   ]
 
 
@@ -119,4 +136,5 @@ def decode_program(
     lower_s,
     decode=True,
     bytes_per_step=batch * width,
+    cfg=cfg,
   )

@@ -15,14 +15,19 @@ cannot run faster than K x ``LAUNCH_US``, which bounds batch-1 decoding to
 from __future__ import annotations
 
 import collections
-import dataclasses
+import math
+import os
 import re
 from typing import Dict, List, Optional
 
 from lca_jax.decode import hlo_stats
+from lca_jax.perf import thunks
 
 GB = 1e9
 LAUNCH_US = 3.0  # per kernel launch, the order of a CUDA launch + its gap on an H100
+DEFAULT_POOL = 0.75  # JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION
+MAX_FRACTION = 0.95  # the most of a device a process can take (the CUDA context keeps the rest)
+RUNTIME_MARGIN = 1.5e9  # bytes outside XLA's buffers: library workspaces, NCCL, context (a guess)
 # ops that launch no kernel of their own: aliases, tuple plumbing, literals, control flow
 # (whose bodies are counted), scheduling markers
 NO_KERNEL = hlo_stats.FREE_OPS | hlo_stats.CONTROL_OPS | {"after-all", "opt-barrier", "domain"}
@@ -37,8 +42,29 @@ ATTENTION_SCOPES = ("attn", "lca_attention", "blockwise_attention")
 _PROJECTION = re.compile(r"/\w*_proj/")  # the projections in and out of an attention
 
 
-def memory(compiled, device_bytes: int, state_bytes: int) -> dict:
-  """Per-device bytes of ``compiled`` (``memory_analysis``) in GB, and whether they fit."""
+def pool_fraction(env=None) -> float:
+  """The fraction of a GPU's memory JAX's allocator takes: ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+  (default 0.75); the whole device with ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` or
+  ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` (memory taken as needed)."""
+  env = os.environ if env is None else env
+  if (
+    env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in ("false", "0")
+    or env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "") == "platform"
+  ):
+    return 1.0
+  try:
+    return min(max(float(env.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_POOL)), 0.0), 1.0)
+  except ValueError:
+    return DEFAULT_POOL
+
+
+def memory(compiled, device_bytes: int, state_bytes: int, fraction: Optional[float] = None) -> dict:
+  """Per-device bytes of ``compiled`` (``memory_analysis``) in GB against what the process
+  gets: ``fraction`` of the device (``pool_fraction()``, JAX's default 0.75) less
+  ``RUNTIME_MARGIN`` (cuBLAS / cuDNN workspaces, NCCL buffers, the CUDA context, which live
+  outside XLA's buffers). ``fits``: it fits with some setting (at most ``MAX_FRACTION`` of the
+  device); ``mem_fraction`` the ``XLA_PYTHON_CLIENT_MEM_FRACTION`` it needs when the pool is
+  too small."""
   m = compiled.memory_analysis()
   total = (
     m.argument_size_in_bytes
@@ -47,8 +73,22 @@ def memory(compiled, device_bytes: int, state_bytes: int) -> dict:
     + m.temp_size_in_bytes
     + m.generated_code_size_in_bytes
   )
-  fits = total <= device_bytes
-  margin = (device_bytes - total) / GB
+  fraction = pool_fraction() if fraction is None else fraction
+  usable = fraction * device_bytes - RUNTIME_MARGIN
+  fits = total <= MAX_FRACTION * device_bytes - RUNTIME_MARGIN
+  needed = None
+  if total <= usable:
+    verdict = f"fits in JAX's memory pool ({fraction:.0%} of the device)"
+  elif fits:
+    needed = math.ceil(round((total + RUNTIME_MARGIN) / device_bytes * 100, 6)) / 100
+    verdict = (
+      f"fits with XLA_PYTHON_CLIENT_MEM_FRACTION={needed:.2f} (the {fraction:.0%} pool is "
+      f"{(total - usable) / GB:.2f} GB short)"
+    )
+  else:
+    verdict = (
+      f"does not fit by {(total - MAX_FRACTION * device_bytes + RUNTIME_MARGIN) / GB:.2f} GB"
+    )
   return dict(
     state_gb=round(state_bytes / GB, 3),
     argument_gb=round(m.argument_size_in_bytes / GB, 3),
@@ -57,9 +97,14 @@ def memory(compiled, device_bytes: int, state_bytes: int) -> dict:
     temp_gb=round(m.temp_size_in_bytes / GB, 3),
     total_gb=round(total / GB, 3),
     device_gb=round(device_bytes / GB, 3),
+    pool_fraction=fraction,
+    runtime_margin_gb=RUNTIME_MARGIN / GB,
+    usable_gb=round(usable / GB, 3),
     fits=fits,
-    verdict="fits" if fits else f"does not fit by {-margin:.2f} GB",
-    margin_gb=round(margin, 3),
+    fits_default_pool=total <= usable,
+    mem_fraction=needed,
+    verdict=verdict,
+    margin_gb=round((usable - total) / GB, 3),
   )
 
 
@@ -144,64 +189,7 @@ def hlo_summary(hlo_text: str, seq_len: int) -> dict:
   )
 
 
-@dataclasses.dataclass
-class Thunk:
-  """One entry of XLA:GPU's thunk sequence: a kernel, copy, library call, or a container
-  (command buffer, while loop, conditional) whose children are listed under labels (None for
-  a command buffer's, 'condition' / 'body' for a loop's, 'branch_N' for a conditional's)."""
-
-  kind: str
-  indent: int
-  children: Dict[Optional[str], List["Thunk"]] = dataclasses.field(default_factory=dict)
-  label: Optional[str] = None  # where the next child goes
-
-  def add(self, child: "Thunk"):
-    self.children.setdefault(self.label, []).append(child)
-
-
-_THUNK = re.compile(r"^(\s*)\d+: (k\w+)")
-_LABEL = re.compile(r"^(\s*)(condition|body|branch_\d+):\s*$")
-
-
-def parse_thunks(text: str) -> Thunk:
-  """The thunk sequence XLA:GPU dumps (``*.thunk_sequence_after_thunk_passes.txt``) as a tree
-  under a root 'kSequence' thunk; indentation gives the nesting."""
-  root = Thunk("kSequence", -1)
-  stack = [root]
-  for line in text.splitlines():
-    m = _THUNK.match(line)
-    if m:
-      indent = len(m.group(1))
-      while stack[-1].indent >= indent:
-        stack.pop()
-      node = Thunk(m.group(2), indent)
-      stack[-1].add(node)
-      stack.append(node)
-      continue
-    m = _LABEL.match(line)
-    if m:
-      indent = len(m.group(1))
-      # a loop's 'condition:' is printed at column 0 however deep the loop is: it follows
-      # the loop's own line
-      while stack[-1].indent > indent and not (
-        m.group(2) == "condition" and stack[-1].kind == "kWhile"
-      ):
-        stack.pop()
-      stack[-1].label = m.group(2)
-  return root
-
-
-def _kernels(t: Thunk, pick=max) -> int:
-  """Device work items one run of ``t`` executes (kernels, copies, library calls): a
-  conditional's largest branch (``pick=min``: its smallest), a loop's condition and body once."""
-  if not t.children:
-    return 0 if t.kind in ("kCommandBuffer", "kSequence") else 1
-  if t.kind == "kConditional":
-    return pick(sum(_kernels(k, pick) for k in c) for c in t.children.values())
-  return sum(_kernels(c, pick) for kids in t.children.values() for c in kids)
-
-
-def _host_work(t: Thunk) -> tuple:
+def _host_work(t: thunks.Thunk) -> tuple:
   """(launches, syncs) the host makes for one run of ``t``: a command buffer is one graph
   launch, a loop reads its predicate back after each condition (a sync), a conditional outside
   a graph reads its branch index (a sync) and runs its largest branch."""
@@ -222,15 +210,6 @@ def _host_work(t: Thunk) -> tuple:
   return 1, 0
 
 
-def _loops(t: Thunk, in_graph: bool = False):
-  """Every while loop under ``t``, with whether it runs inside a command buffer."""
-  for kids in t.children.values():
-    for c in kids:
-      if c.kind == "kWhile":
-        yield c, in_graph
-      yield from _loops(c, in_graph or c.kind == "kCommandBuffer")
-
-
 def decode_step(thunk_text: str, bytes_per_step: float) -> dict:
   """What one step of the decode loop (the while loop that runs the most kernels) costs in
   launches: device kernels per step (each ~``LAUNCH_US`` when launched one by one), the host's
@@ -239,17 +218,14 @@ def decode_step(thunk_text: str, bytes_per_step: float) -> dict:
   allows at ``bytes_per_step`` bytes a step. ``kernels`` counts each conditional at its largest
   branch (a step where every group closes: the latent LM runs), ``kernels_least`` at its
   smallest (a step where none does)."""
-  loops = list(_loops(parse_thunks(thunk_text)))
-  if not loops:
-    raise ValueError("no while loop in the thunk sequence")
-  loop, in_graph = max(loops, key=lambda lt: _kernels(lt[0]))
+  loop, in_graph = thunks.decode_loop(thunks.parse(thunk_text))
   body = loop.children.get("body", [])
-  kernels = _kernels(loop)
+  kernels = thunks.kernels(loop)
   launches, syncs = (0, 0) if in_graph else _host_work(loop)
   bound = lambda n: round(bytes_per_step / (n * LAUNCH_US * 1e-6), 1) if n else None
   return dict(
     kernels=kernels,
-    kernels_least=_kernels(loop, min),
+    kernels_least=thunks.kernels(loop, min),
     body_is_one_graph=len(body) == 1 and body[0].kind == "kCommandBuffer",
     loop_in_graph=in_graph,
     host_launches=launches,

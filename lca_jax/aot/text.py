@@ -33,6 +33,7 @@ def program_lines(r: dict) -> List[str]:
     f"(each autotuned when a GPU compiles); {r['while_loops']} loops",
     f"  custom calls: {_counts(r['custom_calls'])}",
   ]
+  lines += estimate_lines(r.get("estimate"))
   big = r["large_buffers"]
   if big:
     shown = "; ".join(
@@ -46,3 +47,42 @@ def program_lines(r: dict) -> List[str]:
   else:
     lines.append("  buffers with two dimensions >= T: none")
   return lines
+
+
+def _ms(s: float) -> str:
+  return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+def estimate_lines(e) -> List[str]:
+  """The time estimate (``check.estimate_program``) in a few lines; none without one."""
+  if not e:
+    return []
+  c = e["constants"]
+  how = (
+    f"(lca_jax.perf: kernels at {c['dot_efficiency']:.0%} of {c['peak_bf16_tflops']:.0f} TFLOP/s "
+    f"and {c['memory_efficiency']:.0%} of {c['memory_tb_s']:.2f} TB/s, "
+    f"{c['launch_graph_us']:g} us per kernel in a CUDA graph, {c['launch_host_us']:g} us "
+    "launched by the host)"
+  )
+  if "mfu" in e:
+    split = ", ".join(f"{k} {_ms(v)}" for k, v in e["split_s"].items() if v)
+    lines = [
+      f"  estimated step {_ms(e['step_s'])}: {e['bytes_per_s']:,.0f} bytes/s, MFU "
+      f"{e['mfu']:.1%} (roofline floor {_ms(e['floor_s'])}, MFU {e['floor_mfu']:.1%}) {how}",
+      f"  where the time goes: {split}",
+    ]
+    if e["unknown_loops"]:
+      lines.append(f"  {e['unknown_loops']} loops of unknown trip count counted once")
+    top = "; ".join(
+      f"{k['name']} ({k['category']}, {k['runs']:g}x, {_ms(k['total_s'])})"
+      for k in e["top_kernels"][:5]
+    )
+    return lines + [f"  costliest kernels: {top}"]
+  idle, lm = e["idle_step"], e["lm_step"]
+  return [
+    f"  estimated step {_ms(idle['step_s'])} idle ({idle['launches']:g} launches), "
+    f"{_ms(lm['step_s'])} when the latent LM runs ({lm['launches']:g}); at "
+    f"{e['bytes_per_group']:.3g} bytes per group and {e['accepted_per_step']:g} bytes per row "
+    f"per step: {e['bytes_per_s']:,.0f} bytes/s; memory floor {e['floor_bytes_per_s']:,.0f} "
+    f"bytes/s (estimate / floor {e['estimate_over_floor']:.2f}) {how}"
+  ]
