@@ -275,7 +275,7 @@ def test_a_compiled_matmul_is_estimated_at_its_flops_and_never_below_the_rooflin
   a = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=s)
   m, k, n = 512, 1024, 2048
   lowered = jax.jit(lambda x, w: jax.nn.relu(x @ w)).lower(a(m, k), a(k, n))
-  compiled, _, seq, meta = check._compile(lowered, {})  # pylint: disable=protected-access
+  compiled, _, seq, meta = check.compile_with_dump(lowered, {})
   assert seq and meta
   e = estimate.estimate(compiled.as_text(), seq, meta, GPU)
   assert e["flops"] == pytest.approx(2 * m * n * k)

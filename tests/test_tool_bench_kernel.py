@@ -61,3 +61,27 @@ def test_bench_kernel_small(capsys):
 def test_unknown_impl():
   with pytest.raises(ValueError, match="unknown impl"):
     _tool().main(["--small", "--impls", "cudnn"])
+
+
+@pytest.mark.skipif(
+  not __import__("lca_jax.aot.targets", fromlist=["x"]).plugin_available(),
+  reason="jax's CUDA plugin is not installed (make gpu-aot)",
+)
+def test_bench_kernel_aot_estimates_the_programs_for_a_gpu_without_one():
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  args = ["--small", "--aot", "h100", "--impls", "pallas,xla_dense", "--pallas-blocks", "32x32"]
+  r = subprocess.run(
+    [sys.executable, TOOL] + args,
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    timeout=600,
+  )
+  assert r.returncode == 0, r.stderr[-2000:]
+  out = json.loads(r.stdout)
+  assert out["target"] == "h100:1"
+  pallas, dense = out["results"]["pallas_32x32"], out["results"]["xla_dense"]
+  assert pallas["fwd_bwd_est_ms"] >= pallas["fwd_bwd_floor_ms"] > 0 and pallas["fwd_flops"] > 0
+  assert dense["fwd_flops"] > pallas["fwd_flops"]  # the dense mask computes every pair

@@ -20,6 +20,10 @@ says how FLOPs are counted).
 Default shapes: B=8, T=4096, H=KV=8, D=128, bf16 (needs a GPU). ``--small``
 uses tiny shapes and Pallas interpret mode so the script runs on CPU as a
 smoke test (the numbers are then meaningless).
+
+``--aot h200`` (or h100, b200) times nothing: it compiles the same programs for that GPU on this
+host, without one (jax's CUDA plugin, ``make gpu-aot``), and prints the estimated times of
+``lca_jax.perf`` (``lca_jax/bench/kernel_estimate.py``), to set beside a measurement.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # lca_jax from this checkout, installed or not
   sys.path.insert(0, ROOT)
 
+if "--aot" in sys.argv:  # compile for a GPU target: no GPU client, whatever the host has
+  from lca_jax import aot  # noqa: E402  pylint: disable=g-import-not-at-top
+
+  aot.import_jax_for_gpu_targets()
 from lca_jax.bench import kernel, report  # noqa: E402
 
 
@@ -59,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--impls", default=",".join(kernel.IMPLS))
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--aot", default="", help="estimate for this GPU (h100, h200, b200), no run")
   args = p.parse_args(argv)
   if args.small:
     args.batch, args.seq, args.heads, args.kv_heads, args.head_dim = 2, 96, 4, 2, 32
@@ -69,6 +78,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
   a = parse_args(argv)
+  if a.aot:
+    from lca_jax.bench import kernel_estimate  # pylint: disable=g-import-not-at-top
+
+    out = kernel_estimate.run(
+      a.aot,
+      batch=a.batch,
+      seq=a.seq,
+      heads=a.heads,
+      kv_heads=a.kv_heads,
+      head_dim=a.head_dim,
+      dtype=a.dtype,
+      max_group=a.max_group,
+      docs_per_row=a.docs_per_row,
+      impls=a.impls,
+      pallas_blocks=a.pallas_blocks,
+      seed=a.seed,
+    )
+    return report.print_json(out, indent=2)
   out = kernel.run(
     batch=a.batch,
     seq=a.seq,

@@ -51,7 +51,7 @@ class Workload:
 DEFAULT_ACCEPTED = 2.0
 
 
-def _compile(lowered, options: dict):
+def compile_with_dump(lowered, options: dict):
   """(compiled, seconds, thunk sequence text, thunk metadata text) with ``options`` and a dump
   of the thunk sequence (XLA writes it, with each kernel's PTX, into a temporary folder)."""
   with tempfile.TemporaryDirectory(prefix="lca_aot_") as d:
@@ -143,13 +143,13 @@ def check(
       options = (xla_options.decode_options() or {}) if program.decode else {}
   out = dict(program=program.name, target=str(target), device=target.device_name)
   try:
-    compiled, seconds, seq, meta = _compile(program.lowered, options)
+    compiled, seconds, seq, meta = compile_with_dump(program.lowered, options)
   except jax.errors.JaxRuntimeError as e:
     # XLA without autotuning can fail to tile a Triton GEMM fusion that a GPU's autotuner
     # would have tiled (or sent to cuBLAS): say so and compile with cuBLAS GEMMs instead
     out["compile_error"] = str(e).splitlines()[0][:300]
     options = dict(options, **FALLBACK)
-    compiled, seconds, seq, meta = _compile(program.lowered, options)
+    compiled, seconds, seq, meta = compile_with_dump(program.lowered, options)
   out.update(program.info)
   out.update(lower_s=round(program.lower_s, 2), compile_s=round(seconds, 2))
   out["memory"] = report.memory(compiled, target.memory_bytes, program.state_bytes)
