@@ -37,7 +37,7 @@ from lca_jax.cli import sample as sample_cli  # noqa: E402
 from lca_jax.cli import train as train_cli  # noqa: E402
 from lca_jax.decode import engine  # noqa: E402
 from lca_jax.decode.engine import DecodeError  # noqa: E402
-from lca_jax.interop import convert, safetensors_io, upstream  # noqa: E402
+from lca_jax.interop import safetensors_io, upstream  # noqa: E402
 from lca_jax.model.config import ConfigError, ModelConfig  # noqa: E402
 from lca_jax.train import run_config  # noqa: E402
 
@@ -541,9 +541,9 @@ def _assert_same_tensors(src_dir, out_dir):
 @pytest.mark.parametrize("name", REF_NAMES)
 def test_export_after_import_is_bit_identical(tmp_path, name):
   src = os.path.join(REF_DIR, name)
-  wd = convert.from_torch(src, str(tmp_path / "wd"))
+  wd = convert_cli.from_torch(src, str(tmp_path / "wd"))
   assert os.path.isfile(os.path.join(wd, upstream.EXTRAS_FILE))
-  out = convert.to_torch(wd, str(tmp_path / "out"))
+  out = convert_cli.to_torch(wd, str(tmp_path / "out"))
   _assert_same_tensors(src, out)
 
 
@@ -567,9 +567,9 @@ def test_export_keeps_the_source_inv_freq_not_a_recomputed_one(tmp_path, capsys)
   assert convert_cli.main(["to-torch", "--checkpoint", wd, "--out", str(tmp_path / "a")]) == 0
   capsys.readouterr()
   _assert_same_tensors(src, str(tmp_path / "a"))
-  _assert_same_tensors(src, convert.to_torch(src, str(tmp_path / "b")))
+  _assert_same_tensors(src, convert_cli.to_torch(src, str(tmp_path / "b")))
   # --force over the imported directory replaces its extras with the new source's
-  convert.from_torch(os.path.join(REF_DIR, "lca_small"), wd, force=True)
+  convert_cli.from_torch(os.path.join(REF_DIR, "lca_small"), wd, force=True)
   got = upstream.read_extras(wd, cfg)[upstream.INV_FREQ]
   ref = safetensors_io.read_safetensors(os.path.join(REF_DIR, "lca_small", "model.safetensors"))
   np.testing.assert_array_equal(_bits(got), _bits(ref[upstream.INV_FREQ]))

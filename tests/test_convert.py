@@ -153,7 +153,7 @@ def test_torch_module_matches_jax(exported, variant):
 
 @pytest.mark.parametrize("name", REF_NAMES)
 def test_reference_dir_through_workdir(tmp_path, name):
-  wd = convert.from_torch(os.path.join(REF_DIR, name), str(tmp_path / "wd"))
+  wd = cli.from_torch(os.path.join(REF_DIR, name), str(tmp_path / "wd"))
   model = lca_jax.load(wd)
   assert model.cfg.vocab_size == 384 and model.cfg.n_tokens == 261
   v = dict(np.load(os.path.join(REF_DIR, name, "vectors.npz")))
@@ -289,9 +289,7 @@ def test_cli_bad_arguments(tmp_path, capsys):
   assert "float16" in capsys.readouterr().err
   assert cli.main(["sideways"]) == 2
   with pytest.raises(convert.ConvertError, match="is the source"):
-    convert.to_torch(
-      os.path.join(REF_DIR, "lca_small"), os.path.join(REF_DIR, "lca_small"), force=True
-    )
+    cli.to_torch(os.path.join(REF_DIR, "lca_small"), os.path.join(REF_DIR, "lca_small"), force=True)
 
 
 # ---- lca-train: fine-tune (init_from) and resume from an imported directory ------------------
@@ -328,18 +326,18 @@ def test_lca_train_init_from_and_resume(tmp_path):
   src = convert.export_params(params, cfg, str(tmp_path / "torch"))
   want = _leaves(_real_rows(cfg, params))
 
-  wd = convert.from_torch(src, str(tmp_path / "imported"))
+  wd = cli.from_torch(src, str(tmp_path / "imported"))
   got = _leaves(jax.device_get(loop.load_init_params(loop.prepare(config), wd)))  # train.init_from
   assert sorted(got) == sorted(want)
   for k in want:
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
   one = jax.devices()[:1]  # orbax saves of 8-way replicated states are slow on CPU
-  wd2 = convert.from_torch(src, str(tmp_path / "resumable"), config=config, devices=one)
+  wd2 = cli.from_torch(src, str(tmp_path / "resumable"), config=config, devices=one)
   res = loop.train_and_evaluate(config, wd2, devices=one)  # resumes step 0: params, opt, rng, data
   assert res.step == 0
   got = _leaves(jax.device_get(res.state.params))
   for k in want:
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
   with pytest.raises(convert.ConvertError, match="model.d_inner: checkpoint 64, config 96"):
-    convert.from_torch(src, str(tmp_path / "other"), config=_train_config("model.d_inner=96"))
+    cli.from_torch(src, str(tmp_path / "other"), config=_train_config("model.d_inner=96"))

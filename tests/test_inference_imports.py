@@ -9,7 +9,7 @@ import sys
 
 from conftest import ROOT, random_params, tiny_config
 
-from lca_jax.interop import convert
+from lca_jax.workdir import write
 
 _CHILD = """
 import json, sys
@@ -25,7 +25,7 @@ print(json.dumps({
 
 def test_load_and_generate_import_no_training_module(tmp_path):
   cfg = tiny_config("lca_mbp", max_seq_len=64)
-  wd = convert.write_workdir(str(tmp_path), random_params(cfg), cfg)
+  wd = write.write_workdir(str(tmp_path), random_params(cfg), cfg)
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   out = subprocess.run(
     [sys.executable, "-c", _CHILD, wd],

@@ -26,8 +26,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 import lca_jax  # noqa: E402
 from lca_jax import vocab  # noqa: E402
+from lca_jax.cli import convert as convert_cli  # noqa: E402
 from lca_jax.eval import lm_eval_cli  # noqa: E402
-from lca_jax.interop import hf_export  # noqa: E402
 
 MAX_LEN = 64  # rolling windows: the long document spans several
 MC = [
@@ -149,7 +149,7 @@ def test_generate_until_is_the_engines(tiny_upstream_checkpoint, lca_results):
 
 
 def test_hf_export_agrees(tiny_upstream_checkpoint, lca_results, tasks, tmp_path):
-  hf = hf_export.to_hf(tiny_upstream_checkpoint, str(tmp_path / "hf"))
+  hf = convert_cli.to_hf(tiny_upstream_checkpoint, str(tmp_path / "hf"))
   args = f"pretrained={hf},trust_remote_code=True,dtype=float32,max_length={MAX_LEN}"
   res = _evaluate("hf", args, ["tiny_mc", "tiny_docs"], tasks, device="cpu")
   a, b = np.array(_lls(res, "tiny_mc")), np.array(_lls(lca_results, "tiny_mc"))

@@ -14,6 +14,10 @@ to-hf: writes a Hugging Face transformers directory (config.json with auto_map, 
 tokenizer files, float32 model.safetensors) that AutoModelForCausalLM / AutoTokenizer load with
 trust_remote_code=True (see lca_jax/interop/hf_export.py).
 Errors are one line on stderr, exit status 2.
+
+The same operations on paths from Python: ``to_torch``, ``to_hf`` and ``from_torch`` below (they
+load a checkpoint with ``lca_jax.load`` or write a work directory, and hand the model or params
+to ``lca_jax.interop``, which imports neither ``lca_jax.api`` nor the training stack).
 """
 
 from __future__ import annotations
@@ -21,10 +25,103 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Optional
 
 from lca_jax import configs_io
 from lca_jax.cli.common import one_line_warnings
-from lca_jax.errors import LcaError
+from lca_jax.errors import LcaError, LoadError
+from lca_jax.interop.errors import CheckpointError
+from lca_jax.model.config import ConfigError
+
+
+# The functions below defer their imports of jax, orbax and the model (seconds), which
+# ``lca-convert --help`` and usage errors skip.
+def _load(src, out: str, step: Optional[int], force: bool):
+  """The model at ``src`` for an export to ``out``; ``out`` is checked first (not the source,
+  empty or ``force``), before the slow load."""
+  from lca_jax import api  # pylint: disable=g-import-not-at-top
+  from lca_jax.interop import convert  # pylint: disable=g-import-not-at-top
+
+  src = os.fspath(src)
+  out_abs = os.path.abspath(os.path.expanduser(os.fspath(out)))
+  if os.path.exists(src) and convert.same_path(src, out_abs):
+    raise convert.ConvertError(f"output directory {out_abs} is the source; choose another --out")
+  convert.check_out_free(out_abs, force)
+  try:
+    return api.load(src, step=step)
+  except (LoadError, CheckpointError, ConfigError, FileNotFoundError) as e:
+    raise convert.ConvertError(str(e)) from None
+
+
+def to_torch(
+  src, out: str, dtype: str = "float32", *, step: Optional[int] = None, force: bool = False
+) -> str:
+  """Export the checkpoint at ``src`` (a path ``lca_jax.load`` accepts: a work directory, its
+  latest checkpoint or ``step``, or an upstream directory) to ``out`` (config.json +
+  model.safetensors). Returns the absolute output path."""
+  from lca_jax.interop import convert, upstream  # pylint: disable=g-import-not-at-top
+
+  upstream.export_dtype(dtype)  # checked before anything is loaded
+  return convert.to_torch(_load(src, out, step, force), out, dtype, force=force)
+
+
+def to_hf(src, out: str, *, step: Optional[int] = None, force: bool = False) -> str:
+  """Export the checkpoint at ``src`` (a path ``lca_jax.load`` accepts) to the transformers
+  directory ``out``. Returns the absolute output path."""
+  from lca_jax.interop import hf_export  # pylint: disable=g-import-not-at-top
+
+  return hf_export.to_hf(_load(src, out, step, force), out, force=force)
+
+
+def from_torch(
+  src,
+  out: str,
+  *,
+  vocab_size: Optional[int] = None,
+  config=None,
+  force: bool = False,
+  devices=None,
+) -> str:
+  """Import the upstream directory ``src`` (config.json + model.safetensors, float32 or bf16)
+  into a new lca-train work directory ``out`` at step 0 (``lca_jax.workdir.write``).
+  ``config``: a run config (ml_collections, as ``lca-train --config`` loads) that makes ``out``
+  resumable by ``lca-train`` with it (``lca_jax.train.loop.write_resumable_workdir``); its model
+  must describe the checkpoint (its training-only fields, such as dtype, dropout, remat, are
+  the config's) and its ``model.vocab_size`` sets the padding. The source's extra tensors
+  (``rotary_embd.inv_freq``) are kept for exports. Returns the absolute output path."""
+  from lca_jax.interop import convert, upstream  # pylint: disable=g-import-not-at-top
+  from lca_jax.workdir import write  # pylint: disable=g-import-not-at-top
+
+  src = os.fspath(src)
+  out = os.path.abspath(os.path.expanduser(os.fspath(out)))
+  if os.path.exists(src) and convert.same_path(src, out):
+    raise convert.ConvertError(f"output directory {out} is the source; choose another --out")
+  convert.check_out_free(out, force, workdir=True)
+  model_cfg = None
+  if config is not None:
+    # the training stack needs grain (the data / train extras); the plain import does not
+    from lca_jax.train import loop  # pylint: disable=g-import-not-at-top
+
+    model_cfg = loop.model_config_of(config)
+    if vocab_size is None:
+      vocab_size = model_cfg.vocab_size
+  try:
+    cfg, params, _, extras = convert.read_torch_dir(src, vocab_size, with_extras=True)
+  except CheckpointError as e:
+    raise convert.ConvertError(str(e)) from None
+  if model_cfg is not None:
+    params = convert.params_for_config(params, cfg, model_cfg)
+  meta = {"imported_from": os.path.abspath(src)}
+  out = convert.prepare_out(out, force, src, workdir=True)
+  if config is None:
+    write.write_workdir(out, params, cfg, meta=meta)
+  else:
+    loop.write_resumable_workdir(out, params, config, meta=meta, devices=devices)
+  try:
+    upstream.write_extras(out, extras)
+  except CheckpointError as e:
+    raise convert.ConvertError(str(e)) from None
+  return out
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -86,7 +183,6 @@ def main(argv=None) -> int:
     return _fail(f"unrecognized arguments: {' '.join(rest)}")
   one_line_warnings("lca-convert")
   # deferred: jax, orbax and the model take seconds to import, which --help and usage errors skip
-  from lca_jax.interop import convert, hf_export  # pylint: disable=g-import-not-at-top
   from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
 
   config = None
@@ -99,23 +195,21 @@ def main(argv=None) -> int:
       return _fail(str(e))
   try:
     if args.cmd == "to-torch":
-      out = convert.to_torch(
-        args.checkpoint, args.out, args.dtype, step=args.step, force=args.force
-      )
+      out = to_torch(args.checkpoint, args.out, args.dtype, step=args.step, force=args.force)
       print(
         f"lca-convert: wrote {os.path.join(out, 'config.json')} and model.safetensors "
         f"({args.dtype})",
         file=sys.stderr,
       )
     elif args.cmd == "to-hf":
-      out = hf_export.to_hf(args.checkpoint, args.out, step=args.step, force=args.force)
+      out = to_hf(args.checkpoint, args.out, step=args.step, force=args.force)
       print(
         f"lca-convert: wrote {out} (transformers: AutoModelForCausalLM.from_pretrained"
         "(DIR, trust_remote_code=True))",
         file=sys.stderr,
       )
     else:
-      out = convert.from_torch(
+      out = from_torch(
         args.torch_dir, args.out, vocab_size=args.vocab_size, config=config, force=args.force
       )
       how = (

@@ -1,7 +1,7 @@
 """Export to a Hugging Face transformers directory (``lca-convert to-hf``).
 
     from lca_jax.interop import hf_export
-    hf_export.to_hf("workdirs/run", "export/run-hf")
+    hf_export.to_hf(lca_jax.load("workdirs/run"), "export/run-hf")
 
     model = AutoModelForCausalLM.from_pretrained("export/run-hf", trust_remote_code=True)
     tok = AutoTokenizer.from_pretrained("export/run-hf", trust_remote_code=True)
@@ -11,7 +11,8 @@ The directory holds ``config.json`` (``auto_map`` to the classes below, the upst
 dict of ``interop/upstream.py`` with names prefixed by ``model.``), ``tokenizer_config.json``,
 ``special_tokens_map.json`` and three Python files copied from this package:
 ``modeling_lca.py`` (``hf_modeling.py``), ``torch_model.py`` and ``tokenization_lca.py``
-(``hf_tokenizer.py``). Writing it needs neither torch nor transformers.
+(``hf_tokenizer.py``). Writing it needs neither torch nor transformers. ``to_hf`` takes a loaded
+model; ``lca-convert to-hf`` (``lca_jax/cli/convert.py``) loads one from a path.
 """
 
 from __future__ import annotations
@@ -19,14 +20,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Optional
 
-from lca_jax import api
 from lca_jax.interop import upstream
-from lca_jax.interop.convert import ConvertError, _check_out_free, _prepare_out, _same_path
+from lca_jax.interop.convert import ConvertError, prepare_out
 from lca_jax.interop.errors import CheckpointError
 from lca_jax.interop.safetensors_io import write_safetensors
-from lca_jax.model.config import ConfigError
 from lca_jax.vocab import EOS_ID, NUM_BASE_TOKENS, PAD_ID
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,7 +80,7 @@ def _write_json(path: str, obj: dict) -> None:
   os.replace(tmp, path)
 
 
-def write_hf_dir(out: str, model: api.Model) -> str:
+def write_hf_dir(out: str, model) -> str:
   """Write the export of ``model`` (an ``lca_jax.Model``) into the existing directory ``out``."""
   if model.cfg.n_tokens != NUM_BASE_TOKENS:
     raise ConvertError(
@@ -113,20 +111,11 @@ def write_hf_dir(out: str, model: api.Model) -> str:
   return out
 
 
-def to_hf(src, out: str, *, step: Optional[int] = None, force: bool = False) -> str:
-  """Export ``src`` — a path ``lca_jax.load`` accepts or a loaded ``lca_jax.Model`` — to the
-  transformers directory ``out`` (new or empty, or any directory with ``force``). Returns the
-  absolute output path."""
-  out_abs = os.path.abspath(os.path.expanduser(os.fspath(out)))
-  if isinstance(src, api.Model):
-    model = src
-  else:
-    src = os.fspath(src)
-    if os.path.exists(src) and _same_path(src, out_abs):
-      raise ConvertError(f"output directory {out_abs} is the source; choose another --out")
-    _check_out_free(out_abs, force)
-    try:
-      model = api.load(src, step=step)
-    except (api.LoadError, CheckpointError, ConfigError, FileNotFoundError) as e:
-      raise ConvertError(str(e)) from None
-  return write_hf_dir(_prepare_out(out_abs, force), model)
+def to_hf(model, out: str, *, force: bool = False) -> str:
+  """Export the loaded ``model`` (an ``lca_jax.Model``) to the transformers directory ``out``
+  (new or empty, or any directory with ``force``). Returns the absolute output path."""
+  if isinstance(model, (str, os.PathLike)):
+    raise ConvertError(
+      f"to_hf takes a loaded model (lca_jax.load({os.fspath(model)!r})), not a path"
+    )
+  return write_hf_dir(prepare_out(out, force), model)

@@ -1,8 +1,9 @@
 """Data wiring of a training run: from a config to batch layout, data sources and pipelines.
 
 ``plan_batches`` turns ``data.seq_len`` / ``train.global_batch_bytes`` /
-``train.micro_batch_size`` into a ``BatchPlan`` (rows per step, micro-batches, rows per
-process) checked against the mesh; ``data_sources`` resolves ``data.train_files`` /
+``train.micro_batch_size`` into a ``BatchPlan`` (rows per step, micro-batches, rows per process
+and per batch shard), the one place these fields are read and checked; ``plan_and_mesh`` builds
+the plan and the mesh laid out for it; ``data_sources`` resolves ``data.train_files`` /
 ``data.eval_files`` (or the bundled demo corpus split into train and held-out documents);
 ``make_train_pipeline`` / ``make_eval_pipeline`` build this process's checkpointable training
 batches and its deterministic eval pass (pretraining bytes via :mod:`lca_jax.data.pipeline`,
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import jax
 
@@ -28,49 +29,84 @@ from lca_jax.train.errors import TrainError
 
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
-  seq_len: int
-  rows: int  # sequences per optimizer step (all processes)
-  micro: int  # rows per micro-batch (all processes)
-  accum: int  # micro-batches per step
+  """The batch layout of a run: ``data.seq_len``, ``train.global_batch_bytes`` and
+  ``train.micro_batch_size`` read and checked once (``plan_batches``). The mesh's layout
+  (``plan_and_mesh``), the input pipelines and the loop's batch shapes all take it from here."""
+
+  seq_len: int  # bytes per row (data.seq_len)
+  rows: int  # rows per optimizer step, all processes (train.global_batch_bytes / seq_len)
+  micro: int  # rows per micro-batch, all processes (train.micro_batch_size)
+  accum: int  # micro-batches per optimizer step (gradient accumulation)
+  shards: int = 1  # batch shards of the mesh (data x fsdp) a micro-batch's rows are split over
+  processes: int = 1  # processes, each feeding its share of the rows
 
   @property
   def host_rows(self) -> int:
-    return self.rows // jax.process_count()
+    return self.rows // self.processes
 
   @property
   def host_micro(self) -> int:
-    return self.micro // jax.process_count()
+    return self.micro // self.processes
+
+  @property
+  def shard_rows(self) -> int:
+    """Rows of a micro-batch on each batch shard (device of the data x fsdp axes)."""
+    return self.micro // self.shards
 
   @property
   def bytes_per_step(self) -> int:
     return self.rows * self.seq_len
 
+  def on_mesh(self, mesh) -> "BatchPlan":
+    """This plan with the batch shards of ``mesh``; a ``TrainError`` when the rows of a
+    micro-batch cannot be divided over them."""
+    shards = shd.batch_shards(mesh)
+    if self.micro % shards:
+      raise TrainError(
+        f"train.micro_batch_size={self.micro} rows cannot be divided over the {shards} batch "
+        f"shards of the mesh (data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}); use a "
+        f"multiple of {shards}"
+      )
+    return dataclasses.replace(self, shards=shards)
 
-def plan_batches(config, mesh) -> BatchPlan:
+
+def plan_batches(config, mesh=None) -> BatchPlan:
+  """The ``BatchPlan`` of ``config``, checked: positive sizes, a step of whole micro-batches,
+  micro-batches that divide over the processes and, given ``mesh``, over its batch shards. A
+  combination no run can use is a ``TrainError`` naming the config fields."""
   t = int(config.data.seq_len)
   gbb = int(config.train.global_batch_bytes)
   micro = int(config.train.micro_batch_size)
   if t <= 0 or micro <= 0 or gbb <= 0:
     raise TrainError(
-      "data.seq_len, train.micro_batch_size and train.global_batch_bytes must be positive"
+      "data.seq_len, train.micro_batch_size and train.global_batch_bytes must be positive, "
+      f"got {t}, {micro} and {gbb}"
     )
   if gbb % (micro * t):
     raise TrainError(
       f"train.global_batch_bytes={gbb} is not a multiple of train.micro_batch_size * data.seq_len"
       f" = {micro} * {t} = {micro * t}"
     )
-  shards = shd.batch_shards(mesh)
-  if micro % shards:
-    raise TrainError(
-      f"train.micro_batch_size={micro} rows cannot be divided over the {shards} batch shards "
-      f"of the mesh (data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}); use a multiple of {shards}"
-    )
-  if micro % jax.process_count():
-    raise TrainError(
-      f"train.micro_batch_size={micro} is not divisible by the {jax.process_count()} processes"
-    )
+  processes = jax.process_count()
   rows = gbb // t
-  return BatchPlan(seq_len=t, rows=rows, micro=micro, accum=rows // micro)
+  plan = BatchPlan(seq_len=t, rows=rows, micro=micro, accum=rows // micro, processes=processes)
+  if mesh is not None:
+    plan = plan.on_mesh(mesh)
+  if micro % processes:
+    raise TrainError(
+      f"train.micro_batch_size={micro} is not divisible by the {processes} processes"
+    )
+  return plan
+
+
+def plan_and_mesh(config, devices: Optional[Sequence[Any]] = None):
+  """(``BatchPlan``, mesh) of ``config`` over ``devices`` (default all): the plan is read and
+  checked first, the mesh laid out for its micro-batch (a CPU host split by
+  ``mesh.cpu_devices`` puts the devices its rows cannot use on 'tensor', ``sharding.cpu_mesh``),
+  then the plan checked against the mesh's batch shards."""
+  plan = plan_batches(config)
+  mesh = shd.make_mesh(config.mesh, devices, micro_rows=plan.micro)
+  return plan.on_mesh(mesh), mesh
 
 
 def cfg_get(section, key, default):

@@ -14,9 +14,11 @@ checkpoints, the watchdog) is done by the hooks of train/hooks.py; batch layout 
 pipelines come from train/inputs.py, the stop flag (SIGTERM, SIGINT, ``request_stop``) from
 train/stop.py; one run per work directory (a lock, train/workdir_lock.py).
 
-``prepare(config)`` builds a run's ``Setup``; its compiled parts are built from a
-``CompileSpec`` alone and shared by equal specs (so a resume or a test in the same process
-does not compile again).
+``prepare(config)`` builds a run's ``Setup`` (the batch plan and the mesh laid out for it come
+from ``inputs.plan_and_mesh``); its compiled parts are built from a ``CompileSpec`` alone and
+shared by equal specs (so a resume or a test in the same process does not compile again).
+``write_resumable_workdir`` writes a work directory that a run resumes at step 0 around given
+params (``lca-convert from-torch --config``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from lca_jax import api
 from lca_jax.model.config import ModelConfig
 from lca_jax.param_tree import abstract_params
 from lca_jax.train import checkpoint as ckpt_lib
@@ -48,6 +51,7 @@ from lca_jax.train import watchdog as watchdog_lib
 from lca_jax.train.errors import TrainError
 from lca_jax.train.stop import request_stop  # noqa: F401  (public API: loop.request_stop)
 from lca_jax.workdir import params as workdir_params
+from lca_jax.workdir.config_file import write_run_config
 from lca_jax.workdir.manifest import CorruptCheckpointError
 from lca_jax.workdir.params import CKPT_DIR
 
@@ -183,8 +187,7 @@ def prepare(config, devices: Optional[Sequence[Any]] = None) -> Setup:
   The compiled parts are shared by every config with an equal ``CompileSpec`` (model,
   optimizer, schedule horizon, loss weights, seed, mesh); the mesh and batch plan are
   rebuilt from ``config`` on each call."""
-  mesh = shd.make_mesh(config.mesh, devices, micro_rows=int(config.train.micro_batch_size))
-  plan = inputs.plan_batches(config, mesh)
+  plan, mesh = inputs.plan_and_mesh(config, devices)
   spec = CompileSpec.of(config, mesh)
   return Setup(config=config, model_cfg=spec.model, mesh=mesh, plan=plan, **_compile(spec))
 
@@ -216,11 +219,9 @@ def load_init_params(setup: Setup, source: str):
       return workdir_params.restore_params(source, want)
     except (FileNotFoundError, CorruptCheckpointError) as e:
       raise TrainError(f"train.init_from: {e}") from None
-  import lca_jax  # pylint: disable=g-import-not-at-top
-
   try:
-    model = lca_jax.load(source)
-  except lca_jax.LoadError as e:
+    model = api.load(source)
+  except api.LoadError as e:
     raise TrainError(f"train.init_from: {e}") from None
   bad = _shape_mismatches(want, model.params)
   if bad:
@@ -228,6 +229,38 @@ def load_init_params(setup: Setup, source: str):
       f"train.init_from={source}: its model does not match this config's ({'; '.join(bad[:6])})"
     )
   return jax.tree_util.tree_map(lambda a, s: jnp.asarray(a, s.dtype), model.params, want)
+
+
+def write_resumable_workdir(
+  workdir: str, params, config, *, meta: Optional[dict] = None, devices=None
+) -> str:
+  """Write a work directory that ``lca-train --config <config> --workdir <workdir>`` resumes at
+  step 0 into the prepared (empty) ``workdir``: the full TrainState around ``params`` (numpy or
+  jax arrays of the config's model; fresh optimizer state, rng of ``train.seed``) and the data
+  iterator's start, saved by the run's own ``Checkpointer`` with ``config`` as the run config
+  (``meta``: stored with the step). ``devices``: the mesh's devices while writing (default all;
+  the checkpoint restores onto any mesh). Params of another shape than the config's model are
+  a ``TrainError`` naming them."""
+  model_cfg = model_config_of(config)
+  inputs.check_data_files(config)
+  setup = prepare(config, devices)
+  bad = _shape_mismatches(setup.abstract.params, params)
+  if bad:
+    raise TrainError(f"the params do not match the config's model ({'; '.join(bad[:6])})")
+  with shd.mesh_context(setup.mesh):
+    state = st.state_from_params(params, setup.tx, int(config.train.seed), setup.shardings)
+  pipeline = inputs.make_train_pipeline(config, setup.plan)
+  try:
+    data_state = pipeline.get_state()
+  finally:
+    pipeline.close()
+  write_run_config(workdir, config.to_dict(), model_cfg)
+  ck = ckpt_lib.Checkpointer(workdir, keep=int(config.train.keep_checkpoints), async_save=False)
+  try:
+    ck.save(state, data_state, meta=dict(meta or {}, model=model_cfg.to_dict(), bytes_seen=0))
+  finally:
+    ck.close()
+  return workdir
 
 
 @dataclasses.dataclass
@@ -391,7 +424,7 @@ def train_and_evaluate(
       latest = ckpt.latest_step()
       if latest is not None:
         run_config.check_resume_config(workdir, cfg_dict)
-      run_config.write_run_config(workdir, cfg_dict, model_cfg)
+      write_run_config(workdir, cfg_dict, model_cfg)
       pipeline = cleanup.enter_context(contextlib.closing(inputs.make_train_pipeline(config, plan)))
       state, origin, last_saved = _start_state(config, setup, ckpt, pipeline, latest)
       start = int(jax.device_get(state.step))

@@ -1,8 +1,8 @@
-"""The run config of an lca-train work directory: writing it, checking a resume, validating it.
+"""The run config of an lca-train work directory: checking a resume, validating it.
 
 ``WORKDIR/train_config.json`` holds ``{"model": ModelConfig fields, "config": the full run
 config}``; process 0 writes it atomically when a run starts (``lca_jax.workdir.config_file``
-reads it). ``check_resume_config`` compares it
+writes and reads it). ``check_resume_config`` compares it
 with the config of a run resuming the directory and raises ``ConfigMismatchError`` naming the
 fields that differ, except those in ``RESUME_MUTABLE`` (steps, logging, checkpoint cadence,
 mesh, ...), which may change between a checkpoint and the run resuming it.
@@ -14,15 +14,12 @@ with a ``RunConfigError`` naming every bad field, before anything is built.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-
-import jax
 
 from lca_jax.errors import LcaError
 from lca_jax.model.config import ConfigError, ModelConfig
-from lca_jax.workdir.config_file import CONFIG_FILE, RunConfigError, read_run_config
+from lca_jax.workdir.config_file import CONFIG_FILE as CONFIG_FILE  # the file's name, for callers
+from lca_jax.workdir.config_file import RunConfigError, read_run_config
 
 # Config fields that may differ between a checkpoint and the run resuming it.
 RESUME_MUTABLE = (
@@ -126,8 +123,8 @@ def validate_run_config(config, *, min_steps: int = 0) -> None:
   or a dict) that no run can use. Fields a config does not have are not checked.
   ``min_steps``: the least ``train.steps`` accepted (lca-train asks for 1: a run of 0 steps
   trains and saves nothing; the Python API allows 0 to get the initial state back)."""
-  # lazy: lca_jax.interop.convert imports this module and its to_torch must work without
-  # grain, which the lca_jax.data package imports (grain: the data / train extras)
+  # lazy: importing this module (lca-train and lca-convert validate a config first) does not
+  # import grain, which the lca_jax.data package imports (grain: the data / train extras)
   from lca_jax.data.sft_format import SFT_FORMATS  # pylint: disable=g-import-not-at-top
 
   bad = []
@@ -183,16 +180,6 @@ def flatten(d: dict, prefix: str = "") -> dict:
     else:
       out[key] = v
   return out
-
-
-def write_run_config(workdir: str, config: dict, model_cfg: ModelConfig) -> None:
-  if jax.process_index() != 0:
-    return
-  path = os.path.join(workdir, CONFIG_FILE)
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump({"model": model_cfg.to_dict(), "config": config}, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
 
 
 def config_diff(saved: dict, current: dict, mutable=RESUME_MUTABLE) -> list:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from lca_jax.model.config import ModelConfig
 from lca_jax.param_tree import abstract_params_boxed, init_boxed_params, strip_boxes
 from lca_jax.train import sharding as shd
+from lca_jax.workdir.write import seed_key
 
 
 @flax.struct.dataclass
@@ -28,10 +29,6 @@ class TrainState:
   params: Any  # float32 master weights (unboxed)
   opt_state: Any
   rng: jax.Array  # uint32 key data; step keys are fold_in(rng, step)
-
-
-def seed_key(seed: int) -> jax.Array:
-  return jax.random.key_data(jax.random.key(int(seed)))
 
 
 def _boxed_state(cfg, tx, seed):

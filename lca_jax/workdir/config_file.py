@@ -1,8 +1,9 @@
-"""Reading ``WORKDIR/train_config.json``: the model and run config a work directory was made with.
+"""``WORKDIR/train_config.json``: the model and run config a work directory was made with.
 
-The file holds ``{"model": ModelConfig fields, "config": the full run config}``
-(``lca_jax.train.run_config`` writes it and checks a resume against it). A damaged or
-hand-edited file is a ``RunConfigError`` naming it.
+The file holds ``{"model": ModelConfig fields, "config": the full run config}``.
+``write_run_config`` writes it atomically (process 0: a training run when it starts, and
+``lca_jax.workdir.write``); ``read_run_config`` reads it back, and ``lca_jax.train.run_config``
+checks a resume against it. A damaged or hand-edited file is a ``RunConfigError`` naming it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Optional
+
+import jax
 
 from lca_jax.model.config import ConfigError, ModelConfig
 
@@ -43,3 +46,15 @@ def read_run_config(workdir: str) -> Optional[dict]:
   except ConfigError as e:
     raise RunConfigError(f"{path}: {e}") from None
   return saved
+
+
+def write_run_config(workdir: str, config: dict, model_cfg: ModelConfig) -> None:
+  """Write ``workdir``'s run config (``config``: the run config as a dict of sections) and
+  model atomically; only process 0 writes."""
+  if jax.process_index() != 0:
+    return
+  path = os.path.join(workdir, CONFIG_FILE)
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump({"model": model_cfg.to_dict(), "config": config}, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
