@@ -6,7 +6,7 @@ lowered to Triton on GPUs (``pallas_interpret``), the blockwise attention runs o
 per core on the CPU (``attention_threads``), the CPU runs a cached attention of a few columns
 as matrix-vector products (``matvec_cache_products``), a long decode block runs the latent LM
 at several widths on the CPU (``several_lm_widths``), GPUs decode with weights stored
-[out, in] (``row_major_kernels``), and the decode executables get XLA:CPU options
+[out, in] (``row_major_kernels``) through fused Pallas kernels (``fused_decode_kernels``), and the decode executables get XLA:CPU options
 (``lca_jax.xla_options``). Those choices ask ``platform()``, which is ``jax.default_backend()``
 unless a ``target(...)`` block says which platform the program being traced and compiled is
 for: a deviceless compile for a GPU on a GPU-less host (``lca_jax.aot``) runs with jax's CPU
@@ -25,6 +25,9 @@ import jax
 PLATFORMS = ("cpu", "gpu", "tpu")
 _TARGET: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
   "lca_jax_target_platform", default=None
+)
+_FUSED_DECODE: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar(
+  "lca_jax_fused_decode", default=None
 )
 
 
@@ -86,6 +89,28 @@ def row_major_kernels() -> bool:
   GPUs, where a one-row product against [in, out] can cost XLA two kernels and a weight-size
   temporary."""
   return platform() == "gpu"
+
+
+def fused_decode_kernels() -> bool:
+  """Whether a decode step runs each layer's dense parts as the fused Pallas kernels of
+  ``kernels.decode_fused`` (norm + fused projection, norm + gate/up + activation, projection +
+  residual) instead of XLA's several kernels each: on GPUs, where a small step is bound by
+  kernel launches (``LCA_JAX_FUSED_DECODE=0`` turns them off); inside ``fused_decode(on)``
+  as that says (tests run them in interpret mode on the CPU)."""
+  forced = _FUSED_DECODE.get()
+  if forced is not None:
+    return forced
+  return platform() == "gpu" and os.environ.get("LCA_JAX_FUSED_DECODE", "1") != "0"
+
+
+@contextlib.contextmanager
+def fused_decode(on: bool) -> Iterator[None]:
+  """Trace decode steps with (``on``) or without the fused decode kernels inside the block."""
+  token = _FUSED_DECODE.set(bool(on))
+  try:
+    yield
+  finally:
+    _FUSED_DECODE.reset(token)
 
 
 @contextlib.contextmanager

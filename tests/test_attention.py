@@ -32,7 +32,7 @@ from lca_jax.model.attention import blockwise_attention, schedule, tiles_visited
 from lca_jax.model.hierarchical import ByteLM
 from lca_jax.model.layers import masked_attention
 from lca_jax.model.loss import compute_loss
-from lca_jax.train import costs
+from lca_jax.perf import costs
 from lca_jax.train import sharding as shd
 
 REL = 1e-5

@@ -1,4 +1,4 @@
-"""The cost model behind tools/bench_train.py (lca_jax/train/costs.py)."""
+"""The cost model behind tools/bench_train.py (lca_jax/perf/costs.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ from lca_jax.model.config import ConfigError
 from lca_jax.model.hierarchical import ByteLM
 from lca_jax.model.loss import compute_loss
 from lca_jax.param_tree import abstract_params
-from lca_jax.train import costs
+from lca_jax.perf import costs
 
 
 def _n(tree):

@@ -1,4 +1,4 @@
-"""lca_jax.decode.bounds: bytes a decode step must read, the cache sizes it assumes (checked
+"""lca_jax.perf.bounds: bytes a decode step must read, the cache sizes it assumes (checked
 against the engine), and the streaming-bandwidth measurement (tiny)."""
 
 import dataclasses
@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from lca_jax.api import Model
-from lca_jax.decode import bounds, engine
+from lca_jax.decode import engine
 from lca_jax.model import incremental
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import count_params, init_params
+from lca_jax.perf import bounds
 
 TINY = dict(d_model=32, d_inner=64, n_heads=4, n_kv_heads=2, n_enc=1, n_lm=2, n_dec=1)
 LCA = ModelConfig(**TINY, n_mbp=2, max_seq_len=128)

@@ -10,11 +10,12 @@ import pytest
 from conftest import assert_close_rel
 
 from lca_jax.api import Model
-from lca_jax.decode import bounds, engine, hlo_stats
+from lca_jax.decode import engine
 from lca_jax.model import layers, masks
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import init_params
 from lca_jax.model.layers import cached_attention, masked_attention, write_kv
+from lca_jax.perf import bounds, hlo_stats
 
 TINY = dict(d_model=32, d_inner=64, n_heads=2, n_kv_heads=1, n_enc=1, n_lm=1, n_dec=1)
 

@@ -25,11 +25,11 @@ from conftest import (
   train_forward,
 )
 
-from lca_jax.decode import hlo_stats
 from lca_jax.model import rows
 from lca_jax.model.hierarchical import ByteLM
 from lca_jax.model.layers import RMSNorm
 from lca_jax.model.loss import compute_loss
+from lca_jax.perf import hlo_stats
 
 T = 48
 

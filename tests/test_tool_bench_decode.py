@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import load_tool
 
-from lca_jax.decode import engine, hlo_stats
+from lca_jax.decode import engine
+from lca_jax.perf import hlo_stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "bench_decode.py")

@@ -24,10 +24,11 @@ from conftest import load_tool
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tools", "gpu_check.sh")
 # Logs one line per call: name, PYTHONPATH=..., JAX_PLATFORMS=..., XLA_FLAGS=...,
-# LCA_JAX_GPU_GRAPHS=..., then the arguments.
+# LCA_JAX_GPU_GRAPHS=..., LCA_JAX_FUSED_DECODE=..., then the arguments.
 STUB = """#!/usr/bin/env bash
 { printf '%q ' "$(basename "$0")" "PYTHONPATH=${PYTHONPATH:-}" "JAX_PLATFORMS=${JAX_PLATFORMS:-}" \
-    "XLA_FLAGS=${XLA_FLAGS:-}" "LCA_JAX_GPU_GRAPHS=${LCA_JAX_GPU_GRAPHS:-}" "$@"; echo; } \
+    "XLA_FLAGS=${XLA_FLAGS:-}" "LCA_JAX_GPU_GRAPHS=${LCA_JAX_GPU_GRAPHS:-}" \
+    "LCA_JAX_FUSED_DECODE=${LCA_JAX_FUSED_DECODE:-}" "$@"; echo; } \
     >> "$STUB_LOG"
 if [ -n "${STUB_OOM:-}" ] && [[ " $* " == *"$STUB_OOM "* ]]; then
   echo "RESOURCE_EXHAUSTED: Out of memory while trying to allocate" >&2
@@ -42,7 +43,8 @@ pytestmark = pytest.mark.skipif(
 
 def _rehearse(tmp_path, *args, wheels=None, env=None):
   """Runs the script with stubs; returns (completed process, logged calls, $OUT), each call as
-  (program, PYTHONPATH, JAX_PLATFORMS, [arguments], XLA_FLAGS, LCA_JAX_GPU_GRAPHS)."""
+  (program, PYTHONPATH, JAX_PLATFORMS, [arguments], XLA_FLAGS, LCA_JAX_GPU_GRAPHS,
+  LCA_JAX_FUSED_DECODE)."""
   work, bin_dir, out = tmp_path / "work", tmp_path / "bin", tmp_path / "out"
   for d in (work, bin_dir):
     d.mkdir(parents=True)
@@ -74,9 +76,19 @@ def _rehearse(tmp_path, *args, wheels=None, env=None):
   )
   calls = []
   for line in log.read_text().splitlines():
-    prog, pythonpath, platforms, xla_flags, graphs, *argv = shlex.split(line)
+    prog, pythonpath, platforms, xla_flags, graphs, fused, *argv = shlex.split(line)
     value = lambda s: s.split("=", 1)[1]
-    calls.append((prog, value(pythonpath), value(platforms), argv, value(xla_flags), value(graphs)))
+    calls.append(
+      (
+        prog,
+        value(pythonpath),
+        value(platforms),
+        argv,
+        value(xla_flags),
+        value(graphs),
+        value(fused),
+      )
+    )
   return proc, calls, out
 
 
@@ -90,6 +102,7 @@ PARTS = [
   "bench_kernel",
   "bench_train_pallas",
   "bench_decode_b1",
+  "bench_decode_xla",
   "bench_train_xla",
   "bench_decode_b32",
   "bench_decode_n6",
@@ -97,6 +110,8 @@ PARTS = [
   "test_decode",
   "test_model",
   "bench_train_unrolled",
+  "estimate_programs",
+  "estimate_kernels",
 ]
 
 
@@ -104,6 +119,10 @@ def _parse_tool_args(tool: str, argv):
   """The tool's own parser accepts the options the script passes (bench_train also applies its
   ``--config.*`` overrides to the config file named)."""
   mod = load_tool(tool)
+  if tool == "gpu_aot":
+    parsed, rest = mod._parser().parse_known_args(argv)  # pylint: disable=protected-access
+    assert rest == [] and parsed.targets == "h100", (rest, parsed)  # nvidia-smi names no GPU
+    return parsed
   parsed = mod.parse_args(argv)
   if tool == "bench_train":
     args, config = parsed
@@ -151,6 +170,7 @@ def test_rehearsal(tmp_path, monkeypatch):
     ("bench_kernel", None),
     ("bench_train", "configs/lca_mbp.py"),
     ("bench_decode", "configs/lca_mbp.py"),
+    ("bench_decode", "configs/lca_mbp.py"),
     ("bench_train", "configs/lca_mbp.py"),
     ("bench_decode", "configs/lca_mbp.py"),
     ("bench_decode", "configs/lca_mbp.py"),
@@ -158,6 +178,8 @@ def test_rehearsal(tmp_path, monkeypatch):
     ("tests/test_decode.py",),
     ("tests/test_model_parity.py", "tests/test_model_causality.py"),
     ("bench_train", "configs/lca_mbp.py"),
+    ("gpu_aot", os.path.join(ROOT, "configs", "lca_mbp.py")),
+    ("bench_kernel", None),
   ]
   # the paper-scale shapes of the issue: bench_kernel's defaults, micro-batch 16 first
   assert load_tool("bench_kernel").parse_args([]).seq == 4096
@@ -169,6 +191,7 @@ def test_rehearsal(tmp_path, monkeypatch):
   decode = [c[3] for c in calls[3:] if c[3][0] == "tools/bench_decode.py"]
   assert [(a[a.index("--batch") + 1], a[a.index("--n") + 1]) for a in decode] == [
     ("1", "3"),
+    ("1", "3"),
     ("32", "3"),
     ("1", "6"),
     ("1", "3"),
@@ -179,6 +202,10 @@ def test_rehearsal(tmp_path, monkeypatch):
   assert all("--xla_gpu_per_fusion_autotune_cache_dir=" in f for f in flags)
   graphs = [c[5] for c in calls[3:]]
   assert graphs == ["0" if p == "bench_decode_host_loop" else "" for p in PARTS]
+  # fused decode kernels against XLA's: only bench_decode_xla turns them off
+  assert [c[6] for c in calls[3:]] == ["0" if p == "bench_decode_xla" else "" for p in PARTS]
+  # the estimates are of the same programs, for the GPU nvidia-smi names (h100 by default)
+  assert calls[-1][3][:3] == ["tools/bench_kernel.py", "--aot", "h100"]
 
 
 def test_parts_and_budget(tmp_path):

@@ -1,6 +1,6 @@
-"""lca_jax/xla_profile.py: the op table of a train step's HLO and its per-step sums."""
+"""lca_jax/perf/xla_profile.py: the op table of a train step's HLO and its per-step sums."""
 
-from lca_jax import xla_profile
+from lca_jax.perf import xla_profile
 
 HLO = """HloModule m
 

@@ -21,9 +21,9 @@ separately as ``prefill_s``: the same executable, its byte budget an argument (`
 ``budget_pad_to``), so one compile per mode and batch size; at batch 32 with 256-byte prompts
 the prefill is most of the call), bytes per step per row,
 acceptance, and from the optimized HLO of the compiled decode loop the ops of one step
-(``decode.hlo_stats.step_stats``: ops, dots, fusions, and the copies of at least the smallest
+(``perf.hlo_stats.step_stats``: ops, dots, fusions, and the copies of at least the smallest
 KV-cache buffer, count and bytes; there should be none). And the weight-streaming bound
-(``lca_jax.decode.bounds``, formula in its docstring): the matvec streaming bandwidth of this
+(``lca_jax.perf.bounds``, formula in its docstring): the matvec streaming bandwidth of this
 machine (``stream_gb_s``, measured once, with a matrix the size of the model's parameters unless
 ``--stream-mb`` says otherwise), per mode and batch the bytes one step must read
 (parameters it uses: embedding rows, encoder, boundary predictor, decoder, head every step, the

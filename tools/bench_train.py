@@ -9,7 +9,7 @@ Times ``--steps`` optimizer steps after ``--warmup`` steps (compile + first runs
 batches of the configured data (read beforehand, so the data pipeline is not timed; the
 host->device copy is). Same jitted step, mesh and shardings as lca-train.
 
-Before running, it compiles the step and prints what it costs (``lca_jax/train/costs.py``):
+Before running, it compiles the step and prints what it costs (``lca_jax/perf/costs.py``):
 ``xla_flops`` (XLA cost analysis of the compiled step: one device's program x the devices of the
 mesh; ``xla_flops_per_device``), ``executed_flops`` (that plus the
 attention tiles and scanned layers XLA's analysis does not see inside loops), ``useful_flops`` (6 x params per
@@ -20,7 +20,7 @@ two dimensions >= T (there should be none). ``--lower-only`` stops there (no dat
 parameters allocated: paper-scale configs on a small machine). ``--profile N`` also traces N
 steps with the XLA profiler (XLA:CPU) and reports ``step_profile``: thread seconds per step
 by op kind (weight products are ``fusion_custom`` there), model part (attention loops and
-projections, MLP, norms, heads, optimizer...) and stage (``lca_jax/xla_profile.py``); the traced
+projections, MLP, norms, heads, optimizer...) and stage (``lca_jax/perf/xla_profile.py``); the traced
 steps' own ``wall_s_per_step`` shows what tracing added.
 """
 

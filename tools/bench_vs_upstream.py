@@ -63,7 +63,7 @@ stops early on the repetitive output of random weights):
     call first (it compiles: ``compile_s``), best of ``--repeats``.
 
 Per size: parameter counts, bytes/s and ms per step of both sides, ``ratio`` = lca_jax /
-upstream bytes/s, and the weight-streaming bound of lca_jax's step (``lca_jax.decode.bounds``,
+upstream bytes/s, and the weight-streaming bound of lca_jax's step (``lca_jax.perf.bounds``,
 the same bandwidth measurement and formula as tools/bench_decode.py, with a matrix of that
 size's float32 parameters unless ``--stream-mb`` is given: per size ``stream_gb_s`` of the
 jax device, ``bound_ms_per_step``, ``ms_per_step_over_bound``).

@@ -19,8 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # lca_jax from this checkout, installed or not
   sys.path.insert(0, ROOT)
 
-from lca_jax.bench import demo, report  # noqa: E402
-from lca_jax.bench.demo import _rate, _tau_ladder, first_difference, word_edge_share  # noqa: E402,F401
+from lca_jax import demo_report as demo  # noqa: E402
+from lca_jax.bench import report  # noqa: E402
+from lca_jax.demo_report import _rate, _tau_ladder, first_difference, word_edge_share  # noqa: E402,F401
 
 DEFAULT_PROMPT = "A hacker is a person who "
 DEFAULT_SENTENCE = "The hacker wrote a program that hacks the kernel of the system."

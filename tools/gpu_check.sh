@@ -57,14 +57,20 @@ else
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
-ALL="test_kernels bench_kernel bench_train_pallas bench_decode_b1 bench_train_xla bench_decode_b32"
-ALL="$ALL bench_decode_n6 bench_decode_host_loop test_decode test_model bench_train_unrolled"
+ALL="test_kernels bench_kernel bench_train_pallas bench_decode_b1 bench_decode_xla bench_train_xla"
+ALL="$ALL bench_decode_b32 bench_decode_n6 bench_decode_host_loop test_decode test_model"
+ALL="$ALL bench_train_unrolled estimate_programs estimate_kernels"
 PARTS=${PARTS:-$ALL}
 DECODE_MODES=${DECODE_MODES:-ntp,threshold_tau0,verify}
 # bench_decode_host_loop: the batch-1 decode again with XLA's default command buffers
 # (LCA_JAX_GPU_GRAPHS=0: each step's body one CUDA graph, the loop's predicate read back by the
 # host after every step), against bench_decode_b1's whole decode loop as one CUDA graph
 # (lca_jax/xla_options.py; a step is hundreds of small kernels, every launch counts at batch 1)
+# bench_decode_xla: the batch-1 decode without the fused decode kernels (LCA_JAX_FUSED_DECODE=0,
+# lca_jax/kernels/decode_fused.py), side by side with bench_decode_b1, which runs them
+# estimate_programs / estimate_kernels: lca_jax.perf's estimated time of the same programs for
+# this GPU (tools/gpu_aot.py, tools/bench_kernel.py --aot; no GPU needed, so they come last),
+# to set beside what the parts above measured (docs/performance.md: calibration)
 for p in $PARTS; do
   case " $ALL " in *" $p "*) ;; *) echo "unknown part $p (one of: $ALL)" >&2; exit 2 ;; esac
 done
@@ -102,6 +108,14 @@ else
 fi
 { nvidia-smi -L; python3 -c "import jax; print('jax', jax.__version__, jax.devices())"; } \
   > "$OUT/gpu.txt" 2>&1
+case "$(grep -o 'H100\|H200\|B200' "$OUT/gpu.txt" | head -n 1)" in  # the estimate's target
+  H200) TARGET=h200 ;; B200) TARGET=b200 ;; *) TARGET=h100 ;;
+esac
+if [ -n "${GPU_CHECK_CPU:-}" ]; then
+  ESTIMATE=(--config configs/tiny_lca_mbp.py --micro-per-gpu 2 --impls pallas --decode b1)
+else
+  ESTIMATE=(--impls xla,pallas --decode all)
+fi
 # the device's own target description (XLA writes it beside a dumped module), for deviceless
 # compiles (`--xla_gpu_target_config_filename`) to describe this GPU exactly
 python3 - "$OUT" >> "$OUT/gpu.txt" 2>&1 <<'PY'
@@ -155,6 +169,8 @@ for p in $PARTS; do
     bench_train_unrolled) train "$p" xla --config.model.scan_min_layers=0 ;;
     bench_decode_b1) part "$p" 200 python3 tools/bench_decode.py "${DECODE[@]}" \
       --batch 1 --modes "$DECODE_MODES" --n 3 ;;
+    bench_decode_xla) LCA_JAX_FUSED_DECODE=0 part "$p" 120 python3 tools/bench_decode.py \
+      "${DECODE[@]}" --batch 1 --modes ntp,threshold_tau0 --n 3 ;;
     bench_decode_b32) part "$p" 120 python3 tools/bench_decode.py "${DECODE[@]}" \
       --batch "$DECODE_BATCH" --modes "$DECODE_MODES" --n 3 ;;
     bench_decode_n6) part "$p" 60 python3 tools/bench_decode.py "${DECODE[@]}" \
@@ -165,6 +181,9 @@ for p in $PARTS; do
       tests/test_decode.py ;;
     test_model) part "$p" 90 python3 -m pytest -q -x -p no:cacheprovider "${COLLECT[@]}" \
       tests/test_model_parity.py tests/test_model_causality.py ;;
+    estimate_programs) part "$p" 240 python3 tools/gpu_aot.py --targets "$TARGET" --gpus 1 \
+      "${ESTIMATE[@]}" ;;
+    estimate_kernels) part "$p" 60 python3 tools/bench_kernel.py --aot "$TARGET" "${KERNEL[@]}" ;;
   esac
 done
 if [ -d /tmp/gpu_check_autotune ]; then  # XLA's GEMM autotuning results, one file per fusion

@@ -20,8 +20,7 @@ import os
 import re
 from typing import Dict, List, Optional
 
-from lca_jax.decode import hlo_stats
-from lca_jax.perf import thunks
+from lca_jax.perf import hlo_stats, thunks
 
 GB = 1e9
 LAUNCH_US = 3.0  # per kernel launch, the order of a CUDA launch + its gap on an H100

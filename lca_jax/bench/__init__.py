@@ -13,5 +13,5 @@
 * ``upstream``: the paper's PyTorch code, loaded from a checkout (``--upstream-src``).
 * ``upstream_side``: the paper's training step, in this process or in a child process.
 * ``upstream_train`` / ``upstream_decode``: both sides' training steps and decoding.
-* ``demo``: what a trained checkpoint does (decoding, segmentation, held-out figures).
+* ``kernel_estimate``: the same LCA attention programs compiled for a GPU target, estimated.
 """

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lca_jax import xla_profile
 from lca_jax.bench import report
 from lca_jax.bench.models import model_info, n_params, prompt_ids
-from lca_jax.decode import bounds, engine, hlo_stats
+from lca_jax.decode import engine
+from lca_jax.perf import bounds, hlo_stats, xla_profile
 
 MODES = ("ntp", "threshold", "verify", "threshold_tau0")
 

@@ -9,10 +9,11 @@ import time
 import jax
 import jax.numpy as jnp
 
-from lca_jax import hostmem, xla_profile
+from lca_jax import hostmem
 from lca_jax.bench import report
 from lca_jax.bench.models import ROOT
-from lca_jax.train import costs, inputs, metrics, timing
+from lca_jax.perf import costs, xla_profile
+from lca_jax.train import inputs, metrics, timing
 from lca_jax.train import sharding as shd
 
 
@@ -69,7 +70,7 @@ def step_costs(setup, group_len=None):
 
 
 def profile_steps(setup, host, steps: int):
-  """Where ``steps`` more steps' time goes, from the XLA profiler (``lca_jax/xla_profile.py``:
+  """Where ``steps`` more steps' time goes, from the XLA profiler (``lca_jax/perf/xla_profile.py``:
   thread seconds per step by op kind, model part and stage); None off XLA:CPU, whose
   events are the only ones named after the step's HLO instructions. ``setup.train_step`` is
   the compiled step (its optimized HLO names the ops)."""

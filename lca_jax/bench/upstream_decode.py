@@ -36,9 +36,9 @@ from lca_jax.bench.upstream import (
   sync,
   torch_device,
 )
-from lca_jax.decode import bounds
 from lca_jax.interop import upstream as up_io
 from lca_jax.model.config import ConfigError
+from lca_jax.perf import bounds
 
 PROG = "bench_vs_upstream"
 # the sizes by name (None = configs/lca_mbp.py's own shape: d 1024, 2/16/2/2)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lca_jax import vocab, xla_options
+from lca_jax import backend, vocab, xla_options
 from lca_jax.decode.policies import POLICIES, Ctx, LoopState, Plan
 from lca_jax.decode.sampling import SamplingParams
 from lca_jax.errors import LcaError
@@ -319,7 +319,8 @@ def _compiled(cfgs, plan, length, args) -> _Executable:
     exe = compile_lowered(fn.lower(*args))
     return _Executable(exe, time.perf_counter() - t0, sink)
 
-  return _EXECUTABLES.get((cfgs, plan, length, shapes), build)
+  # and whether the step runs the fused decode kernels (``backend.fused_decode_kernels``)
+  return _EXECUTABLES.get((cfgs, plan, length, shapes, backend.fused_decode_kernels()), build)
 
 
 def compiled_count() -> int:
@@ -514,7 +515,7 @@ def generate(
 
 def compiled_decode(model, prompts, **kw):
   """The compiled executable ``generate(model, prompts, **kw)`` runs (prefill + decode loop),
-  compiled if needed; ``.as_text()`` is its optimized HLO (see ``decode.hlo_stats``)."""
+  compiled if needed; ``.as_text()`` is its optimized HLO (see ``perf.hlo_stats``)."""
   req = _request(model, prompts, **kw)
   return _compiled(req.cfgs, req.plan, req.length, req.args).exe
 

@@ -84,7 +84,7 @@ def schedule(lo_BT: jax.Array, block_q: int, block_k: int) -> Schedule:
 
 
 # Tile loops per query block (masked, unmasked, masked): XLA's cost analysis counts each loop
-# body once, whatever its trip count (train/costs.py corrects for the tiles really run).
+# body once, whatever its trip count (perf/costs.py corrects for the tiles really run).
 LOOPS_PER_BLOCK = 3
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lca_jax import backend
+from lca_jax.kernels import decode_fused
 from lca_jax.model import rows
 from lca_jax.model.activations import swiglu
 from lca_jax.model.kv_cache import CacheAccess, KVCache
@@ -413,6 +414,7 @@ class Attention(nn.Module):
     access: Optional[CacheAccess] = None,
     rows_BR=None,
     deterministic: bool = True,
+    qkv=None,
   ):
     """Self-attention, or attention over a KV cache.
 
@@ -426,13 +428,18 @@ class Attention(nn.Module):
     for ``write_kv`` to store later. ``rows_BR`` [B, R] (indices into T) keeps only those rows'
     outputs, [B, R, D] (a caller that reads only some positions after this layer): all T keys
     and values are still computed (and written); over a cache only those rows query.
+    ``qkv`` (decoding with ``fused_decode_kernels``: the caller projected q, k, v itself, each
+    [B, T, heads * E]) skips the input projection and returns the heads' outputs [B, R, H E]
+    before the output projection, which the caller fuses with its residual.
     """
     if (cache is None) != (access is None):
       raise ValueError("a KV cache needs its CacheAccess and a CacheAccess its cache")
-    b, t, d = x_BTD.shape
+    b, t = (x_BTD if qkv is None else qkv[0]).shape[:2]
     h, kv, e = self.n_heads, self.n_kv_heads, self.head_dim
-    fused = decode_kernel(self, QKV_KERNEL) if cache is not None else None
-    if fused is not None:
+    fused = decode_kernel(self, QKV_KERNEL) if cache is not None and qkv is None else None
+    if qkv is not None:
+      q, k, v = qkv
+    elif fused is not None:
       # decoding with ``fuse_decode_params``: one dot (training keeps three, faster there)
       q, k, v = split_dense(x_BTD, fused[0], (h * e, kv * e, kv * e), self.dtype, fused[1])
     else:
@@ -451,7 +458,11 @@ class Attention(nn.Module):
       out = kernel(q, k, v) if kernel is not None else masked_attention(q, k, v, mask_BTS)
       out = out if rows_BR is None else take_rows(out, rows_BR)
       new_kv = (k, v)
-    out = dense(d, "out_proj", ("heads", "embed"), self.dtype)(out.reshape(b, -1, h * e))
+    if qkv is not None:
+      return out.reshape(b, -1, h * e), new_kv
+    out = dense(x_BTD.shape[-1], "out_proj", ("heads", "embed"), self.dtype)(
+      out.reshape(b, -1, h * e)
+    )
     out = nn.Dropout(self.dropout)(out, deterministic=deterministic)
     return out, new_kv
 
@@ -539,6 +550,10 @@ class Block(nn.Module):
       self.rope_len,
       name="attn",
     )
+    small = cache is not None and x.shape[0] * x.shape[1] <= decode_fused.MAX_ROWS
+    weights = self._fused_weights() if small else None
+    if weights is not None:
+      return self._fused_step(attn, weights, x, positions, mask, cache, access, rows_BR)
     y, kv = attn(
       RMSNorm(self.eps, name="norm1")(x),
       positions,
@@ -556,6 +571,57 @@ class Block(nn.Module):
     y = nn.Dropout(self.dropout)(y, deterministic=deterministic)
     x = x + y
     return nn.with_logical_constraint(x, ("batch", "length", "embed")), kv
+
+  def _fused_weights(self):
+    """(norm1 scale, qkv, out_proj, norm2 scale, gate_up, down), each weight an (array, stored
+    [in, out]) pair, when this step runs the fused decode kernels (``backend.fused_decode_kernels``
+    and decode weights with the fused projections, ``fuse_decode_params``), else None."""
+    p = self.variables.get("params", {})
+    if not backend.fused_decode_kernels() or "attn" not in p or "mlp" not in p:
+      p = None
+    p = nn.unbox(p) if p else None
+
+    def weight(scope, name):
+      for key, in_out in ((out_in(name), False), (name, True)):
+        if key in scope:
+          return scope[key], in_out
+      return None
+
+    if p is None:
+      return None
+    attn, mlp = p["attn"], p["mlp"]
+    found = (
+      p.get("norm1", {}).get("scale"),
+      weight(attn, QKV_KERNEL),
+      weight(attn.get("out_proj", {}), "kernel"),
+      p.get("norm2", {}).get("scale"),
+      weight(mlp, GATE_UP_KERNEL),
+      weight(mlp.get("down_proj", {}), "kernel"),
+    )
+    return None if any(w is None for w in found) else found
+
+  def _fused_step(self, attn, weights, x, positions, mask, cache, access, rows_BR):
+    """The block over a KV cache for a step of at most ``decode_fused.MAX_ROWS`` rows (a
+    prefill's block keeps XLA's GEMMs) with ``kernels.decode_fused``: norm1 + q/k/v projection, the
+    attention (``Attention`` from its q, k, v), output projection + residual, norm2 + gate/up
+    + SwiGLU, down projection + residual: four kernels for the dense parts."""
+    s1, qkv, w_out, s2, w_gate_up, w_down = weights
+    b, t, d = x.shape
+    h, kv_h = self.n_heads, self.n_kv_heads
+    e = d // h
+    kw = dict(dtype=self.dtype, interpret=backend.pallas_interpret())
+    y = decode_fused.norm_matvec(x.reshape(b * t, d), s1, qkv[0], eps=self.eps, in_out=qkv[1], **kw)
+    q, k, v = (p.reshape(b, t, -1) for p in jnp.split(y, [h * e, (h + kv_h) * e], axis=-1))
+    heads, kv = attn(
+      None, positions, mask, cache=cache, access=access, rows_BR=rows_BR, qkv=(q, k, v)
+    )
+    x = x if rows_BR is None else take_rows(x, rows_BR)
+    r = x.shape[1]
+    heads = heads.reshape(b * r, h * e)
+    x2 = decode_fused.matvec_residual(heads, w_out[0], x.reshape(b * r, d), in_out=w_out[1], **kw)
+    g = decode_fused.norm_matvec_glu(x2, s2, w_gate_up[0], eps=self.eps, in_out=w_gate_up[1], **kw)
+    x2 = decode_fused.matvec_residual(g, w_down[0], x2, in_out=w_down[1], **kw)
+    return x2.reshape(b, r, d), kv
 
 
 def _cache_access(access: Optional[CacheAccess], write_B) -> Optional[CacheAccess]:

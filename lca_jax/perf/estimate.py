@@ -42,6 +42,8 @@ from lca_jax.perf.hardware import Gpu, Launch
 # products of a D-long dot per (query, key) pair per head: forward QK^T, PV; backward dq:
 # QK^T (recomputed), dO V^T, dS K; dk/dv: QK^T, P^T dO, dO V^T, dS^T Q
 PALLAS_PRODUCTS = {"lca_attention_fwd": 2, "lca_attention_bwd_dq": 3, "lca_attention_bwd_dkdv": 4}
+# the fused decode kernels (kernels/decode_fused.py): rows x their weight (the largest operand)
+PALLAS_ROWS_TIMES_WEIGHT = ("decode_norm_matvec", "decode_norm_glu", "decode_matvec_residual")
 SLICING = frozenset({"dynamic-slice", "slice", "gather"})
 TRANSPARENT = frozenset({"bitcast", "reshape", "get-tuple-element"})
 COLLECTIVES = {
@@ -130,6 +132,9 @@ def _custom_call_flops(module: hlo.Module, instr: hlo.Instr, path: str, hints: H
     causal = 0.5 if '"mask_type":"CAUSAL"' in instr.attrs else 1.0
     products = 5 if "Backward" in target else 2
     return 2.0 * products * b * h * t * s * d * causal, dtype, "attention"
+  if "triton" in target and any(k in path for k in PALLAS_ROWS_TIMES_WEIGHT) and ops:
+    weight = max(ops, key=lambda a: math.prod(a[1]))
+    return 2.0 * ops[0][1][0] * math.prod(weight[1]), weight[0], "gemm"
   if "triton" in target:
     kernel = next((k for k in PALLAS_PRODUCTS if k in path), None)
     keys = Hints.lookup(hints.keys_per_query, path)
@@ -271,7 +276,9 @@ def kernel_cost(module: hlo.Module, name: str, gpu: Gpu, hints: Hints, n_devices
     if len(out) > 1 and out[-1][0] in ("u8", "s8"):  # (results..., workspace): scratch
       out = out[:-1]
     written = sum(hlo.itemsize(dt) * math.prod(dims) for dt, dims in out)
-    nbytes = sum(hlo.nbytes(t) for t in _operand_types(module, instr)) + written
+    # an operand passed twice (two views of one weight) is read once
+    unique = dict.fromkeys(instr.operands)
+    nbytes = sum(hlo.nbytes(module.type_of(o)) for o in unique) + written
   elif instr.op in ("dot", "convolution"):
     flops, dtype, highest = _dot_flops(module, instr)
     nbytes = sum(hlo.nbytes(t) for t in _operand_types(module, instr)) + hlo.nbytes(instr.type)

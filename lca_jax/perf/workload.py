@@ -3,11 +3,11 @@
 * ``train_hints``: the expected trip count of the blockwise attention's tile loops (XLA does not
   know it: the tiles follow the mask) and the keys a Pallas attention kernel visits per query,
   per attention stack (matched by the stack's name in the op's source path), on the regular
-  layout of ``train.costs`` (groups of 1 / bp_prior bytes, one document per row).
-* ``train_useful_flops``: the useful FLOPs of a whole step (``train.costs.useful_flops`` x the
+  layout of ``perf.costs`` (groups of 1 / bp_prior bytes, one document per row).
+* ``train_useful_flops``: the useful FLOPs of a whole step (``perf.costs.useful_flops`` x the
   accumulated micro-batches): what MFU divides by.
 * ``decode_rates``: a decode program's bytes/s from its idle and LM step estimates at a given
-  bytes per group and accepted bytes per step, with the memory floor of ``decode.bounds``
+  bytes per group and accepted bytes per step, with the memory floor of ``perf.bounds``
   (the weights and caches a step must read / the GPU's bandwidth) beside it.
 """
 
@@ -18,14 +18,13 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from lca_jax.decode import bounds
 from lca_jax.kernels.lca_attention import query_block_key_bounds
 from lca_jax.model.attention import LOOPS_PER_BLOCK, schedule
 from lca_jax.model.config import ModelConfig
 from lca_jax.param_tree import abstract_params
+from lca_jax.perf import bounds, costs
 from lca_jax.perf.estimate import Hints
 from lca_jax.perf.hardware import Gpu
-from lca_jax.train import costs
 
 PALLAS_BLOCK = 64  # the Pallas kernels' default block_q = block_k (kernels.lca_attention)
 STACK_PATHS = {"encoder": "/encoder/", "lm": "/lm/", "decoder": "/decoder/", "mbp": "/mbp/"}

@@ -36,7 +36,7 @@ from typing import Any, Callable, Collection, Dict, NamedTuple
 
 import jax
 
-from lca_jax.decode import hlo_stats
+from lca_jax.perf import hlo_stats
 
 COLLECTIVES = frozenset(
   {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"}
