@@ -259,14 +259,20 @@ def test_decode_loop_is_one_cuda_graph(optimized, monkeypatch):
 
 @needs_plugin
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_decode_step_that_runs_no_latent_lm_only_writes_the_lm_caches(optimized, batch):
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_a_decode_step_that_runs_no_latent_lm_only_writes_the_lm_caches(
+  optimized, batch, fused, monkeypatch
+):
   """The latent LM runs under a conditional whose branches return every layer's new cache
-  entries as one stacked pair, written after it: each LM layer adds to a step where no group
-  closes (the smallest branch) only the two writes of its keys and values (no zero entries per
-  layer in the idle branch, no select per write), while a step that runs the LM launches more."""
+  entries as one stacked pair, written after it: with the fused decode kernels (GPUs' default)
+  all layers' entries in one kernel, so more LM layers add nothing to a step where no group
+  closes (the smallest branch); without them (LCA_JAX_FUSED_DECODE=0) each LM layer adds only
+  the two writes of its keys and values (no zero entries per layer in the idle branch, no
+  select per write). A step that runs the LM launches each layer's own kernels."""
   from lca_jax.aot import check  # pylint: disable=g-import-not-at-top
   from lca_jax.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
 
+  monkeypatch.setenv("LCA_JAX_FUSED_DECODE", fused)
   steps, more = [], 3  # LM layers added
   for n_lm in (1, 1 + more):
     c = _tiny_config("xla")
@@ -274,8 +280,34 @@ def test_a_decode_step_that_runs_no_latent_lm_only_writes_the_lm_caches(optimize
     cfg = ModelConfig.from_dict(c.model.to_dict())
     (r,) = check.decode_reports(cfg, targets.parse("h100"), [dict(batch=batch, mode="ntp")], 32, 32)
     steps.append(r["step"])
-  assert steps[1]["kernels_least"] - steps[0]["kernels_least"] == 2 * more, steps
-  assert steps[1]["kernels"] - steps[0]["kernels"] > 16 * more, steps  # each layer's own kernels
+  per_layer = 0 if fused == "1" else 2
+  assert steps[1]["kernels_least"] - steps[0]["kernels_least"] == per_layer * more, steps
+  assert steps[1]["kernels"] - steps[0]["kernels"] > 8 * more, steps  # each layer's own kernels
+
+
+@needs_plugin
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_fused_decode_kernels_replace_xla_s_kernels_of_each_layer(
+  optimized, batch, monkeypatch
+):
+  """A decode step compiled for an H100 runs each layer's dense parts as the Pallas kernels of
+  kernels/decode_fused.py and the LM's cache writes as one kernel: fewer kernels in both the
+  idle and the LM step than with LCA_JAX_FUSED_DECODE=0, and no copy of a cache."""
+  from lca_jax.aot import check  # pylint: disable=g-import-not-at-top
+  from lca_jax.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+
+  cfg = ModelConfig.from_dict(_tiny_config("xla").model.to_dict())
+  case = [dict(batch=batch, mode="ntp")]
+  (fused,) = check.decode_reports(cfg, targets.parse("h100"), case, 32, 32)
+  monkeypatch.setenv("LCA_JAX_FUSED_DECODE", "0")
+  (plain,) = check.decode_reports(cfg, targets.parse("h100"), case, 32, 32)
+  calls = fused["custom_calls"].get("__gpu$xla.gpu.triton", 0)
+  layers_ = cfg.n_enc + cfg.n_lm + cfg.n_dec
+  assert calls >= 4 * layers_ and plain["custom_calls"].get("__gpu$xla.gpu.triton", 0) == 0
+  assert fused["step"]["kernels_least"] < plain["step"]["kernels_least"]
+  assert fused["step"]["kernels"] < plain["step"]["kernels"]
+  assert fused["memory"]["temp_gb"] <= plain["memory"]["temp_gb"] + 1e-3  # no cache copies
+  assert fused["estimate"]["bytes_per_s"] > plain["estimate"]["bytes_per_s"]
 
 
 @needs_plugin

@@ -1,6 +1,7 @@
 """The fused decode kernels (lca_jax/kernels/decode_fused.py) against the XLA path they
-replace: each kernel on random inputs (rows 1..20, float32 and bfloat16), and whole greedy
-decodes of a tiny model with the kernels (Pallas interpret mode on the CPU) against without."""
+replace: each kernel on random inputs (rows 1..20, float32 and bfloat16, both weight layouts;
+the cache writes at clamped starts), and whole greedy decodes of a tiny model with the kernels
+(Pallas interpret mode on the CPU) against without."""
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,22 @@ def test_a_chunked_input_and_a_ragged_output_block_still_cover_every_column():
   _close(got, _dot_oi(_norm(x, jnp.ones(384), 1e-6), w, jnp.float32), jnp.float32)
 
 
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_write_slots_stores_every_layer_s_entries_in_place_like_write_kv(t):
+  rng = np.random.default_rng(t)
+  n, b, kv, slots, e = 3, 2, 2, 12, 16
+  draw = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  caches = tuple((draw(b, kv, slots, e), draw(b, kv, e, slots)) for _ in range(n))
+  new_k, new_v = draw(n, b, kv, t, e), draw(n, b, kv, e, t)
+  start = jnp.array([3, slots - 1])  # the second row's start is clamped so that t slots fit
+  want = [layers.write_kv(c, (new_k[i], new_v[i]), start) for i, c in enumerate(caches)]
+  got = df.write_slots(caches, new_k, new_v, start, interpret=True)
+  for (k, v), w in zip(got, want):
+    np.testing.assert_array_equal(k, w.k)
+    np.testing.assert_array_equal(v, w.v)
+  assert df.writes_slots(t) and not df.writes_slots(3)
+
+
 @pytest.fixture(scope="module")
 def transposed_model():
   cfg = tiny_config("lca_mbp", max_seq_len=96)
@@ -77,9 +94,10 @@ def test_greedy_decoding_with_the_fused_kernels_equals_the_xla_path(
 ):
   prompts = ["The hacker ", "ab"]  # a batch of two, ragged
   kw = dict(mode=mode, n=3, max_bytes=24) if mode == "verify" else dict(mode=mode, max_bytes=24)
-  traced = []
-  kernel = df.norm_matvec
+  traced, writes = [], []
+  kernel, write = df.norm_matvec, df.write_slots
   monkeypatch.setattr(df, "norm_matvec", lambda *a, **k: traced.append(1) or kernel(*a, **k))
+  monkeypatch.setattr(df, "write_slots", lambda *a, **k: writes.append(1) or write(*a, **k))
   with backend.fused_decode(False):
     ref = transposed_model.generate(prompts, **kw)
   assert not traced
@@ -87,6 +105,7 @@ def test_greedy_decoding_with_the_fused_kernels_equals_the_xla_path(
     got = transposed_model.generate(prompts, **kw)
   layers_per_step = sum(getattr(transposed_model.cfg, f"n_{s}") for s in ("enc", "lm", "dec"))
   assert len(traced) >= layers_per_step  # every block of the step took the fused path
+  assert writes or mode != "ntp"  # the LM's caches written in one kernel (one slot a step)
   assert got.texts == ref.texts
   if mode == "verify":  # verify's greedy text is ntp's, with the kernels too
     with backend.fused_decode(True):

@@ -214,3 +214,41 @@ def matvec_residual(
     interpret=interpret,
     name="decode_matvec_residual",
   )(x_MK, w, res_MN)
+
+
+def _write_slots_kernel(start_ref, nk_ref, nv_ref, *refs, n: int, t: int, slots: int):
+  outs = refs[2 * n :]  # the caches, aliased to the inputs refs[: 2 n]
+  b, h = pl.program_id(0), pl.program_id(1)
+  s = jnp.clip(start_ref[b], 0, slots - t)
+  for i in range(n):
+    outs[i][b, h, pl.ds(s, t), :] = nk_ref[i, b, h, :, :].astype(outs[i].dtype)
+    outs[n + i][b, h, :, pl.ds(s, t)] = nv_ref[i, b, h, :, :].astype(outs[n + i].dtype)
+
+
+def writes_slots(t: int) -> bool:
+  """Whether ``write_slots`` takes ``t`` new slots (Triton's block shapes are powers of two)."""
+  return t >= 1 and t & (t - 1) == 0
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
+def write_slots(caches, new_k, new_v, start_B, *, interpret=False):
+  """Every layer's new entries written into its cache in one kernel, in place.
+
+  ``caches``: per-layer (k [B, K, S, E], v [B, K, E, S]) pairs; ``new_k`` [N, B, K, T, E] and
+  ``new_v`` [N, B, K, E, T] the N layers' entries for slots ``start_B`` [B] of each row
+  (clamped so that T slots fit, as ``layers.write_kv`` does). Returns the caches, updated.
+  One program per (row, kv head); T a power of two (``writes_slots``)."""
+  n = len(caches)
+  b, kv, slots, _ = caches[0][0].shape
+  t = new_k.shape[3]
+  flat = [c[0] for c in caches] + [c[1] for c in caches]
+  out = pl.pallas_call(
+    functools.partial(_write_slots_kernel, n=n, t=t, slots=slots),
+    grid=(b, kv),
+    out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat],
+    input_output_aliases={3 + i: i for i in range(2 * n)},
+    compiler_params=_params(num_warps=1, num_stages=1),
+    interpret=interpret,
+    name="decode_write_slots",
+  )(start_B.astype(jnp.int32), new_k, new_v, *flat)
+  return tuple((out[i], out[n + i]) for i in range(n))

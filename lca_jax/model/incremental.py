@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from lca_jax import backend
+from lca_jax.kernels import decode_fused
 from lca_jax.model import boundaries as bnd
 from lca_jax.model import masks, pooling
 from lca_jax.model.config import ModelConfig
@@ -246,8 +247,16 @@ def _latents(
   grp = u - closes_BK.astype(jnp.int32)
   closed_last = _take(closes_BK, blk.last_B)
   has = blk.has_B
+  if stack and backend.fused_decode_kernels() and decode_fused.writes_slots(k):
+    # every LM layer's entries in one kernel (``fused_decode_kernels``: GPUs), not two each
+    lm = decode_fused.write_slots(
+      state.lm, lm_new.k, lm_new.v, first_slot, interpret=backend.pallas_interpret()
+    )
+    lm = tuple(KVCache(*c) for c in lm)
+  else:
+    lm = _write(state.lm, _unpack(lm_new, stack), first_slot)
   fields = dict(
-    lm=_write(state.lm, _unpack(lm_new, stack), first_slot),
+    lm=lm,
     z=z,
     s=s,
     n_closed=state.n_closed + cum[:, -1],

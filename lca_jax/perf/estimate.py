@@ -64,6 +64,7 @@ _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _NO_WORK = ("Done", "kWaitForStreams", "kSequence")
+_ALIASED = re.compile(r":\s*\((\d+),")  # {output}: (operand index, {shape index})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,9 +277,14 @@ def kernel_cost(module: hlo.Module, name: str, gpu: Gpu, hints: Hints, n_devices
     if len(out) > 1 and out[-1][0] in ("u8", "s8"):  # (results..., workspace): scratch
       out = out[:-1]
     written = sum(hlo.itemsize(dt) * math.prod(dims) for dt, dims in out)
-    # an operand passed twice (two views of one weight) is read once
-    unique = dict.fromkeys(instr.operands)
-    nbytes = sum(hlo.nbytes(module.type_of(o)) for o in unique) + written
+    # an operand passed twice (two views of one weight) is read once; a kernel that updates
+    # operands in place (output_to_operand_aliasing) reads and writes its other operands, the
+    # update, not the buffers it updates
+    aliased = _ALIASED.findall(instr.attrs.split("output_to_operand_aliasing=", 1)[-1])
+    aliased = {int(i) for i in aliased} if "output_to_operand_aliasing=" in instr.attrs else set()
+    unique = dict.fromkeys(o for i, o in enumerate(instr.operands) if i not in aliased)
+    read = sum(hlo.nbytes(module.type_of(o)) for o in unique)
+    nbytes = 2 * read if aliased else read + written
   elif instr.op in ("dot", "convolution"):
     flops, dtype, highest = _dot_flops(module, instr)
     nbytes = sum(hlo.nbytes(t) for t in _operand_types(module, instr)) + hlo.nbytes(instr.type)
