@@ -210,19 +210,21 @@ def test_a_decode_step_is_priced_at_its_cheapest_and_costliest_branch():
   )
 
 
-def test_decode_rates_weigh_the_lm_step_by_how_often_a_group_closes():
-  cfg = ModelConfig(
+def _small_cfg():
+  return ModelConfig(
     d_model=64,
     n_heads=2,
     n_kv_heads=2,
     d_inner=128,
-    n_enc=1,
     n_lm=1,
-    n_dec=1,
     n_mbp=1,
     max_seq_len=256,
     bp_prior=0.25,
   )
+
+
+def test_decode_rates_weigh_the_lm_step_by_how_often_a_group_closes():
+  cfg = _small_cfg()
   r = workload.decode_rates(
     cfg, GPU, 1e-4, 5e-4, mode="ntp", batch=1, width=1, prompt_len=32, max_bytes=32
   )
@@ -246,18 +248,7 @@ def test_decode_rates_weigh_the_lm_step_by_how_often_a_group_closes():
 
 
 def test_train_hints_count_the_tiles_and_keys_the_mask_allows():
-  cfg = ModelConfig(
-    d_model=64,
-    n_heads=2,
-    n_kv_heads=2,
-    d_inner=128,
-    n_enc=1,
-    n_lm=1,
-    n_dec=1,
-    n_mbp=1,
-    max_seq_len=256,
-    bp_prior=0.25,
-  )
+  cfg = _small_cfg()
   h = workload.train_hints(cfg, 256)
   keys = dict(h.keys_per_query)
   # causal over 256 bytes in 64-blocks: query block n visits n + 1 blocks of 64 keys

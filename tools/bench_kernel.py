@@ -78,25 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
   a = parse_args(argv)
-  if a.aot:
-    from lca_jax.bench import kernel_estimate  # pylint: disable=g-import-not-at-top
-
-    out = kernel_estimate.run(
-      a.aot,
-      batch=a.batch,
-      seq=a.seq,
-      heads=a.heads,
-      kv_heads=a.kv_heads,
-      head_dim=a.head_dim,
-      dtype=a.dtype,
-      max_group=a.max_group,
-      docs_per_row=a.docs_per_row,
-      impls=a.impls,
-      pallas_blocks=a.pallas_blocks,
-      seed=a.seed,
-    )
-    return report.print_json(out, indent=2)
-  out = kernel.run(
+  problem = dict(
     batch=a.batch,
     seq=a.seq,
     heads=a.heads,
@@ -107,11 +89,18 @@ def main(argv=None) -> dict:
     docs_per_row=a.docs_per_row,
     impls=a.impls,
     pallas_blocks=a.pallas_blocks,
+    seed=a.seed,
+  )
+  if a.aot:
+    from lca_jax.bench import kernel_estimate  # pylint: disable=g-import-not-at-top
+
+    return report.print_json(kernel_estimate.run(a.aot, **problem), indent=2)
+  out = kernel.run(
+    **problem,
     num_warps=a.num_warps,
     num_stages=a.num_stages,
     iters=a.iters,
     warmup=a.warmup,
-    seed=a.seed,
     interpret=a.small,
   )
   return report.print_json(out, indent=2)

@@ -50,6 +50,8 @@ def program_lines(r: dict) -> List[str]:
 
 
 def _ms(s: float) -> str:
+  if s >= 1.0:
+    return f"{s:.3g} s"
   return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
 
 
