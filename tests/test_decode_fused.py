@@ -65,7 +65,7 @@ def test_a_chunked_input_and_a_ragged_output_block_still_cover_every_column():
   _close(got, _dot_oi(_norm(x, jnp.ones(384), 1e-6), w, jnp.float32), jnp.float32)
 
 
-@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("t", [1, 3, 4])
 def test_write_slots_stores_every_layer_s_entries_in_place_like_write_kv(t):
   rng = np.random.default_rng(t)
   n, b, kv, slots, e = 3, 2, 2, 12, 16
@@ -78,7 +78,7 @@ def test_write_slots_stores_every_layer_s_entries_in_place_like_write_kv(t):
   for (k, v), w in zip(got, want):
     np.testing.assert_array_equal(k, w.k)
     np.testing.assert_array_equal(v, w.v)
-  assert df.writes_slots(t) and not df.writes_slots(3)
+  assert df.writes_slots(t) and not df.writes_slots(df.MAX_SLOTS + 1)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_greedy_decoding_with_the_fused_kernels_equals_the_xla_path(
     got = transposed_model.generate(prompts, **kw)
   layers_per_step = sum(getattr(transposed_model.cfg, f"n_{s}") for s in ("enc", "lm", "dec"))
   assert len(traced) >= layers_per_step  # every block of the step took the fused path
-  assert writes or mode != "ntp"  # the LM's caches written in one kernel (one slot a step)
+  assert writes  # the LM's caches written in one kernel
   assert got.texts == ref.texts
   if mode == "verify":  # verify's greedy text is ntp's, with the kernels too
     with backend.fused_decode(True):

@@ -31,6 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 
 MIN_ROWS = 16  # a Triton dot needs every dimension >= 16
 MAX_ROWS = 64  # more rows (a prefill) are a GEMM: XLA's kernels serve them
+MAX_SLOTS = 16  # new cache slots ``write_slots`` takes per layer (unrolled when not 2^k)
 BLOCK_N = 32
 BLOCK_K = 128
 
@@ -220,14 +221,20 @@ def _write_slots_kernel(start_ref, nk_ref, nv_ref, *refs, n: int, t: int, slots:
   outs = refs[2 * n :]  # the caches, aliased to the inputs refs[: 2 n]
   b, h = pl.program_id(0), pl.program_id(1)
   s = jnp.clip(start_ref[b], 0, slots - t)
+  # T slots at once when T is a power of two (Triton's block shapes), else slot by slot
+  runs = [(0, t)] if t & (t - 1) == 0 else [(j, 1) for j in range(t)]
   for i in range(n):
-    outs[i][b, h, pl.ds(s, t), :] = nk_ref[i, b, h, :, :].astype(outs[i].dtype)
-    outs[n + i][b, h, :, pl.ds(s, t)] = nv_ref[i, b, h, :, :].astype(outs[n + i].dtype)
+    for j, w in runs:
+      new_k = nk_ref[i, b, h, pl.ds(j, w), :]
+      new_v = nv_ref[i, b, h, :, pl.ds(j, w)]
+      outs[i][b, h, pl.ds(s + j, w), :] = new_k.astype(outs[i].dtype)
+      outs[n + i][b, h, :, pl.ds(s + j, w)] = new_v.astype(outs[n + i].dtype)
 
 
 def writes_slots(t: int) -> bool:
-  """Whether ``write_slots`` takes ``t`` new slots (Triton's block shapes are powers of two)."""
-  return t >= 1 and t & (t - 1) == 0
+  """Whether ``write_slots`` takes ``t`` new slots: a decode step's few (a prefill's block
+  writes per layer)."""
+  return 1 <= t <= MAX_SLOTS
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
@@ -237,7 +244,7 @@ def write_slots(caches, new_k, new_v, start_B, *, interpret=False):
   ``caches``: per-layer (k [B, K, S, E], v [B, K, E, S]) pairs; ``new_k`` [N, B, K, T, E] and
   ``new_v`` [N, B, K, E, T] the N layers' entries for slots ``start_B`` [B] of each row
   (clamped so that T slots fit, as ``layers.write_kv`` does). Returns the caches, updated.
-  One program per (row, kv head); T a power of two (``writes_slots``)."""
+  One program per (row, kv head); T at most ``MAX_SLOTS`` (``writes_slots``)."""
   n = len(caches)
   b, kv, slots, _ = caches[0][0].shape
   t = new_k.shape[3]
