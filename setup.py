@@ -15,7 +15,7 @@ setup(
   packages=find_packages(include=["lca_jax", "lca_jax.*"]),
   package_data={"lca_jax": ["data/corpus/*", "aot/targets/*.txtpb", "eval/lm_eval_tasks/*.yaml"]},
   install_requires=[
-    "jax>=0.9,<0.12",
+    "jax>=0.10,<0.13",
     "flax>=0.12,<0.13",
     "optax>=0.2.5,<0.3",
     "orbax-checkpoint>=0.11.30,<0.13",
@@ -41,7 +41,7 @@ setup(
       "torch>=2.4",
     ],
     "torch": ["torch>=2.4"],
-    "cuda12": ["jax[cuda12]>=0.9,<0.12"],
+    "cuda12": ["jax[cuda12]>=0.10,<0.13"],
     "test": ["pytest>=8", "pytest-xdist>=3.5"],
     # lca-serve; openai and httpx for its tests and tools/bench_serve.py
     "serve": [

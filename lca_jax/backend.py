@@ -113,6 +113,24 @@ def fused_decode(on: bool) -> Iterator[None]:
     _FUSED_DECODE.reset(token)
 
 
+def lowering_device(sharding):
+  """A context for lowering a program for the devices of ``sharding`` on a host without them
+  (a deviceless compile): jax >= 0.11 lowers Pallas Triton kernels for the GPU kind of the
+  abstract mesh in force, else of the default device (this host's CPU: "No supported GPU
+  devices found"); jax 0.10 falls back to sm_90 and reads neither. Only the lowering belongs
+  inside: eager ops under an abstract mesh need ``lowering_platforms``."""
+  device = next(iter(sharding.device_set))
+  kind = jax.sharding.AbstractDevice(
+    device_kind=device.device_kind,
+    num_cores=getattr(device, "core_count", None),
+    platform=device.platform,
+  )
+  mesh = jax.sharding.AbstractMesh(
+    (1,), ("_device",), (jax.sharding.AxisType.Auto,), abstract_device=kind
+  )
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
 @contextlib.contextmanager
 def target(name: str) -> Iterator[None]:
   """Trace and compile for ``name`` (one of ``PLATFORMS``) inside the block."""

@@ -301,6 +301,11 @@ def test_pallas_lowers_for_cuda(head_dim):
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
   for f, n_kernels in ((fwd, 1), (fwd_bwd, 3)):
-    lowered = jax.jit(f).trace(q, kv, kv, ids, ids).lower(lowering_platforms=("cuda",))
+    # jax >= 0.11 lowers for the GPU kind of the abstract mesh (it no longer falls back to sm_90
+    # without a GPU); jax 0.10 ignores the mesh here.
+    gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu)
+    with jax.sharding.use_abstract_mesh(mesh):
+      lowered = jax.jit(f).trace(q, kv, kv, ids, ids).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") == n_kernels, f.__name__

@@ -79,7 +79,7 @@ def run(
     try:
       fwd, fwd_bwd = fwd_and_fwd_bwd(attn)
       for key, fn, args in (("fwd", fwd, (q, k, v)), ("fwd_bwd", fwd_bwd, (q, k, v, do))):
-        with backend.target("gpu"):
+        with backend.target("gpu"), backend.lowering_device(sharding):
           lowered = fn.lower(*args)
         compiled, _, seq_text, meta = check.compile_with_dump(lowered, {})
         s = estimate.estimate(compiled.as_text(), seq_text, meta, gpu, hints=hints)

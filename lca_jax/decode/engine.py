@@ -637,7 +637,8 @@ def lower_abstract(cfg: ModelConfig, params, batch: int, prompt_len: int, shardi
   spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
   args = jax.tree_util.tree_map(spec, ((params, None),) + concrete)
   fn = jax.jit(lambda *a: _run((cfg, None), plan, length, None, *a))
-  return fn.lower(*args)
+  with backend.lowering_device(sharding):
+    return fn.lower(*args)
 
 
 def _stop_reason(g: np.ndarray, plan: Plan, budget: int, requested: int) -> str:
