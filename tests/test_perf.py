@@ -43,6 +43,13 @@ HloModule m, is_scheduled=true
   ROOT %u = f32[16,1024]{1,0} dynamic-update-slice(%p0.2, %p1.2, %p2.2, %z.2)
 }
 
+%fused_scatter (p0.5: f32[16,1024], p1.5: s32[2,1], p2.5: f32[2,1024]) -> f32[16,1024] {
+  %p0.5 = f32[16,1024]{1,0} parameter(0)
+  %p1.5 = s32[2,1]{1,0} parameter(1)
+  %p2.5 = f32[2,1024]{1,0} parameter(2)
+  ROOT %sc = f32[16,1024]{1,0} scatter(%p0.5, %p1.5, %p2.5), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%fused_tanh
+}
+
 %fused_tanh (p0.3: f32[1024]) -> f32[1024] {
   %p0.3 = f32[1024]{0} parameter(0)
   ROOT %t = f32[1024]{0} tanh(%p0.3)
@@ -79,6 +86,9 @@ ENTRY %main (a: bf16[64,128], b: bf16[128,256], c: f32[16,1024], i: s32[], v: f3
   %slice = f32[1,1024]{1,0} fusion(%c, %i.2), kind=kLoop, calls=%fused_slice
   %upd = f32[16,1024]{1,0} fusion(%c, %slice, %i.2), kind=kLoop, calls=%fused_dus
   %cp = f32[16,1024]{1,0} copy(%upd)
+  %rows = s32[2,1]{1,0} parameter(6)
+  %two = f32[2,1024]{1,0} parameter(7)
+  %scat = f32[16,1024]{1,0} fusion(%cp, %rows, %two), kind=kLoop, calls=%fused_scatter
   %init = (s32[], f32[1024]{0}) tuple(%i.2, %v)
   %w = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body, metadata={op_name="jit(f)/encoder/attn/while"}, backend_config={"known_trip_count":{"n":"10"}}
   %ar = f32[1024]{0} all-reduce(%v), replica_groups={{0,1,2,3}}, to_apply=%fused_tanh
@@ -140,6 +150,7 @@ def test_kernels_are_priced_from_their_flops_and_bytes():
   assert cost("slice").bytes == 4096 + 4 + 4096
   # an in-place update reads and writes the update, not the buffer it updates
   assert cost("upd").bytes == 4096 + 4 + 4096
+  assert cost("scat").bytes == 8 + 2 * 8192  # a scatter in place: indices, updates read and written
   assert cost("cp").bytes == 2 * 16 * 1024 * 4 and cost("cp").category == "copy"
   ar = cost("ar")  # ring all-reduce over 4 devices: 2 (n - 1) / n of the bytes over NVLink
   assert ar.category == "collective" and ar.bytes == 4096 * 2 * 3 / 4

@@ -10,7 +10,8 @@ from the HLO instruction it runs (``hlo``):
   of products per (query, key) pair of ``PALLAS_PRODUCTS``.
 * bytes: the operands it reads and the results it writes. A fusion parameter that the body
   only slices (``dynamic-slice``, ``slice``, ``gather``) counts the slices; a buffer updated in
-  place (``dynamic-update-slice``) counts the update, not the buffer; a copy reads and writes.
+  place (``dynamic-update-slice``, ``scatter``) counts the update, not the buffer; a copy reads
+  and writes.
 * time = max(FLOPs / (dot peak of its operand type x ``dot_efficiency``), bytes / (bandwidth x
   ``memory_efficiency``)) + the launch cost (``hardware.Launch``: a node inside a CUDA graph,
   or a host launch); collectives bytes / NVLink (ring: an all-reduce moves 2 (n - 1) / n of
@@ -45,6 +46,8 @@ PALLAS_PRODUCTS = {"lca_attention_fwd": 2, "lca_attention_bwd_dq": 3, "lca_atten
 # the fused decode kernels (kernels/decode_fused.py): rows x their weight (the largest operand)
 PALLAS_ROWS_TIMES_WEIGHT = ("decode_norm_matvec", "decode_norm_glu", "decode_matvec_residual")
 SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+# updates of a buffer in place: the operand that holds the update (the buffer is operand 0)
+IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
 TRANSPARENT = frozenset({"bitcast", "reshape", "get-tuple-element"})
 COLLECTIVES = {
   "all-reduce": 2.0,  # ring: 2 (n - 1) / n of the bytes
@@ -193,7 +196,7 @@ def _read_of(name: str, users, full: float, depth: int = 0) -> float:
   for u in uses:
     if u.op in SLICING and u.operands and u.operands[0] == name:
       total += hlo.nbytes(u.type)
-    elif u.op == "dynamic-update-slice" and u.operands and u.operands[0] == name:
+    elif u.op in IN_PLACE and u.operands and u.operands[0] == name:
       continue
     elif u.op in TRANSPARENT:
       total += _read_of(u.name, users, full, depth + 1)
@@ -206,8 +209,8 @@ def _written(module: hlo.Module, root: Optional[hlo.Instr], full: float) -> floa
   """Bytes a fusion writes: an in-place update writes its update, a tuple each element."""
   if root is None:
     return full
-  if root.op == "dynamic-update-slice" and len(root.operands) > 1:
-    return hlo.nbytes(module.type_of(root.operands[1]))
+  if root.op in IN_PLACE and len(root.operands) > 1:
+    return hlo.nbytes(module.type_of(root.operands[IN_PLACE[root.op]]))
   if root.op == "tuple":
     return sum(
       _written(module, module.by_name.get(o), hlo.nbytes(module.type_of(o))) for o in root.operands
