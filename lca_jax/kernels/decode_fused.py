@@ -237,7 +237,7 @@ def writes_slots(t: int) -> bool:
   return 1 <= t <= MAX_SLOTS
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
+@functools.partial(jax.jit, static_argnames=("interpret",))
 def write_slots(caches, new_k, new_v, start_B, *, interpret=False):
   """Every layer's new entries written into its cache in one kernel, in place.
 

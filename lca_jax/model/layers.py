@@ -578,8 +578,8 @@ class Block(nn.Module):
     and decode weights with the fused projections, ``fuse_decode_params``), else None."""
     p = self.variables.get("params", {})
     if not backend.fused_decode_kernels() or "attn" not in p or "mlp" not in p:
-      p = None
-    p = nn.unbox(p) if p else None
+      return None
+    p = nn.unbox(p)
 
     def weight(scope, name):
       for key, in_out in ((out_in(name), False), (name, True)):
@@ -587,8 +587,6 @@ class Block(nn.Module):
           return scope[key], in_out
       return None
 
-    if p is None:
-      return None
     attn, mlp = p["attn"], p["mlp"]
     found = (
       p.get("norm1", {}).get("scale"),
