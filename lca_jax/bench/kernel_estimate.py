@@ -20,17 +20,7 @@ from lca_jax import backend
 from lca_jax.aot import check, targets
 from lca_jax.bench.kernel import IMPLS, build_impls, fwd_and_fwd_bwd, make_ids
 from lca_jax.kernels import lca_key_start
-from lca_jax.kernels.lca_attention import query_block_key_bounds
-from lca_jax.perf import estimate, hardware
-
-
-def pallas_keys_per_query(k_start_BT, block_q: int, block_k: int) -> float:
-  """Keys a Pallas kernel visits per query (whole key blocks of each query block)."""
-  b, t = k_start_BT.shape
-  pad = -(-t // max(block_q, block_k)) * max(block_q, block_k)
-  k_start = jnp.pad(k_start_BT, ((0, 0), (0, pad - t)), constant_values=pad)
-  lo, hi = query_block_key_bounds(k_start, block_q, block_k)
-  return float(np.sum(np.asarray(hi - lo))) * block_q * block_k / (b * t)
+from lca_jax.perf import estimate, hardware, workload
 
 
 def run(
@@ -73,7 +63,7 @@ def run(
     if name.startswith("pallas_"):
       bq, bk = map(int, name.split("_")[1].split("x"))
       hints = estimate.Hints(
-        keys_per_query=(("lca_attention", pallas_keys_per_query(k_start, bq, bk)),)
+        keys_per_query=(("lca_attention", workload.pallas_keys_per_query(k_start, bq, bk)),)
       )
     row = {}
     try:

@@ -47,12 +47,20 @@ def train_hints(cfg: ModelConfig, seq_len: int, bytes_per_group: Optional[float]
     per_block = float(np.mean(np.asarray(sched.n_tiles_N)))
     trips.append((STACK_PATHS[name], per_block / LOOPS_PER_BLOCK))
     b = min(PALLAS_BLOCK, max(16, 1 << (t - 1).bit_length()))
-    pad = -(-t // b) * b
-    k_start = jnp.pad(lo, ((0, 0), (0, pad - t)), constant_values=pad)
-    kb_lo, kb_hi = query_block_key_bounds(k_start, b, b)
-    visited = float(np.sum(np.asarray(kb_hi - kb_lo))) * b * b  # (query, key) pairs
-    keys.append((STACK_PATHS[name], visited / t))
+    keys.append((STACK_PATHS[name], pallas_keys_per_query(lo, b, b)))
   return Hints(trips=tuple(trips), keys_per_query=tuple(keys))
+
+
+def pallas_keys_per_query(k_start_BT, block_q: int, block_k: int) -> float:
+  """Keys a Pallas LCA kernel visits per query: the whole key blocks of each query block
+  (``query_block_key_bounds`` over the padded sequence, as the kernel computes them), in
+  (query, key) pairs per row position."""
+  b, t = k_start_BT.shape
+  step = max(block_q, block_k)
+  pad = -(-t // step) * step
+  k_start = jnp.pad(k_start_BT, ((0, 0), (0, pad - t)), constant_values=pad)
+  lo, hi = query_block_key_bounds(k_start, block_q, block_k)
+  return float(np.sum(np.asarray(hi - lo))) * block_q * block_k / (b * t)
 
 
 def train_useful_flops(
