@@ -51,17 +51,18 @@ lint: $(STAMP)
 # Compiles every production program for H100 / H200 / B200 GPUs on this host, without a GPU
 # (lca_jax/aot, tools/gpu_aot.py): installs jax's CUDA plugin of the pinned jax into a separate
 # .venv-cuda that reads every other package from .venv (the default venv never gets it), runs
-# the tests that need the plugin, then prints the JSON report (also in GPU_AOT_OUT).
+# the tests that need the plugin, then prints the JSON report (also in GPU_AOT_OUT). cuDNN
+# (requirements-gpu-aot.txt) lets cuDNN attention lower and be estimated without a GPU.
 VENV_CUDA := .venv-cuda
 CUDA_STAMP := $(VENV_CUDA)/.installed
 JAX_VERSION := $(shell sed -n 's/^jax==//p' requirements.txt)
 GPU_AOT_OUT ?= workdirs/gpu_aot.json
 GPU_AOT_ARGS ?=
 
-$(CUDA_STAMP): $(STAMP)
+$(CUDA_STAMP): $(STAMP) requirements-gpu-aot.txt
 	$(PY) -m venv $(VENV_CUDA)
 	$(VENV_CUDA)/bin/python -c "import site, sys; open(site.getsitepackages()[0] + '/lca_jax_main_venv.pth', 'w').write(sys.argv[1] + '\n')" "$$($(VPY) -c 'import site; print(site.getsitepackages()[0])')"
-	$(VENV_CUDA)/bin/python -m pip install -q --no-deps jax-cuda12-plugin==$(JAX_VERSION) jax-cuda12-pjrt==$(JAX_VERSION)
+	$(VENV_CUDA)/bin/python -m pip install -q --no-deps jax-cuda12-plugin==$(JAX_VERSION) jax-cuda12-pjrt==$(JAX_VERSION) -r requirements-gpu-aot.txt
 	$(VENV_CUDA)/bin/python -m pip install -q --no-deps -e .
 	touch $(CUDA_STAMP)
 

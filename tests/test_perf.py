@@ -93,6 +93,8 @@ ENTRY %main (a: bf16[64,128], b: bf16[128,256], c: f32[16,1024], i: s32[], v: f3
   %w = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body, metadata={op_name="jit(f)/encoder/attn/while"}, backend_config={"known_trip_count":{"n":"10"}}
   %ar = f32[1024]{0} all-reduce(%v), replica_groups={{0,1,2,3}}, to_apply=%fused_tanh
   %pallas = bf16[2,128,4,64]{3,2,1,0} custom-call(%i.2, %q), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/mbp/attn/lca_attention_fwd/pallas_call"}
+  %fmha = (bf16[2,4,128,64]{3,1,2,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"mask_type": "CAUSAL"}}
+  %fmha.full = (bf16[2,4,128,64]{3,1,2,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"mask_type":"NO_MASK"}}
   ROOT %out = f32[16,1024]{1,0} copy(%cp)
 }
 """
@@ -159,6 +161,9 @@ def test_kernels_are_priced_from_their_flops_and_bytes():
   p = cost("pallas", keys_per_query=(("/mbp/", 32.0),))
   assert p.flops == 2 * 2 * (2 * 128 * 4 * 64) * 32 and p.category == "attention"
   assert cost("pallas").flops == 0  # without the hint its FLOPs are unknown
+  # cuDNN attention: QK^T and PV over every (query, key) pair, half of them under a causal mask
+  assert cost("fmha.full").flops == 2 * 2 * 2 * 4 * 128 * 128 * 64
+  assert cost("fmha").flops == cost("fmha.full").flops / 2 and cost("fmha").category == "attention"
   assert estimate.kernel_cost(m, "not_there", GPU, estimate.Hints()) is None
 
 

@@ -149,7 +149,8 @@ def test_rehearsal(tmp_path, monkeypatch):
   work = tmp_path / "work"
   # the device line, the target config, each part, the closing summary of the figures
   assert [c[0] for c in calls] == ["nvidia-smi"] + ["python3"] * (3 + len(PARTS))
-  assert calls[-1][3] == ["-", str(out)] and calls[2][3] == ["-", str(out)]
+  assert calls[-1][3] == ["-m", "lca_jax.bench.gpu_check_summary", str(out)]
+  assert calls[2][3] == ["-", str(out)]
   calls = calls[:-1]
   assert calls[1][3][0] == "-c" and "jax.devices()" in calls[1][3][1]  # gpu.txt's device line
   ran = []

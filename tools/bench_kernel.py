@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,11 +41,13 @@ if "--aot" in sys.argv:  # compile for a GPU target: no GPU client, whatever the
   from lca_jax import aot  # noqa: E402  pylint: disable=g-import-not-at-top
 
   aot.import_jax_for_gpu_targets()
+from lca_jax.bench import args as args_lib  # noqa: E402
 from lca_jax.bench import kernel, report  # noqa: E402
+from lca_jax.errors import LcaError  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = args_lib.one_line_parser("bench_kernel.py", description=__doc__.split("\n\n")[0])
   p.add_argument(
     "--small", action="store_true", help="tiny shapes, interpret mode (CPU smoke test)"
   )
@@ -69,6 +72,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--aot", default="", help="estimate for this GPU (h100, h200, b200), no run")
   args = p.parse_args(argv)
+  unknown = [s for s in args.impls.split(",") if s not in kernel.IMPLS]
+  if unknown or not args.impls:
+    p.error(
+      f"--impls: unknown {', '.join(unknown) or '(empty)'} (one of {', '.join(kernel.IMPLS)})"
+    )
+  for blocks in args.pallas_blocks.split(","):
+    if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", blocks):
+      p.error(f"--pallas-blocks: {blocks!r} is not BLOCK_QxBLOCK_K (e.g. 32x32)")
   if args.small:
     args.batch, args.seq, args.heads, args.kv_heads, args.head_dim = 2, 96, 4, 2, 32
     args.iters, args.warmup = 2, 1
@@ -94,7 +105,12 @@ def main(argv=None) -> dict:
   if a.aot:
     from lca_jax.bench import kernel_estimate  # pylint: disable=g-import-not-at-top
 
-    return report.print_json(kernel_estimate.run(a.aot, **problem), indent=2)
+    try:
+      out = kernel_estimate.run(a.aot, **problem)
+    except LcaError as e:  # an unknown target, a GPU plugin missing
+      print(f"bench_kernel.py: error: {e}", file=sys.stderr)
+      sys.exit(2)
+    return report.print_json(out, indent=2)
   out = kernel.run(
     **problem,
     num_warps=a.num_warps,

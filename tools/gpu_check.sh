@@ -193,33 +193,8 @@ cat "$OUT/gpu.txt" "$OUT/summary.txt"
 for p in test_kernels test_decode test_model; do
   [ -f "$OUT/$p.out" ] && tail -n 3 "$OUT/$p.out"
 done
-# the figures of the benchmark parts that printed their JSON, one line each (the end of the
-# output is what a remote runner shows first)
-python3 - "$OUT" <<'PY'
-import glob, json, os, sys
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "bench_*.out"))):
-  name = os.path.basename(path)[:-4]
-  try:
-    d = json.load(open(path))
-  except (OSError, ValueError):
-    continue
-  if "results" in d and "best_pallas" in d:  # bench_kernel
-    r = d["results"]
-    keys = [d["best_pallas"], "xla_dense", "sdpa_causal"]
-    ms = ", ".join(f"{k} {r[k]['fwd_ms']:.3g}/{r[k]['fwd_bwd_ms']:.3g}" for k in keys if k in r)
-    print(f"{name}: fwd/fwd+bwd ms: {ms}")
-  elif "step_time_s" in d:  # bench_train
-    mfu = d.get("mfu")
-    print(
-      f"{name}: {d['attention_impl']} micro-batch {d['micro_batch']}:"
-      f" step {d['step_time_s']:.3f} s, {d['bytes_per_s']:.0f} bytes/s, MFU {mfu if mfu is None else round(mfu, 3)},"
-      f" compile {d['cost']['compile_s']} s"
-    )
-  elif "results" in d:  # bench_decode
-    for k, r in d["results"].items():
-      print(
-        f"{name}: {k}: {r['bytes_per_s']} bytes/s, {r.get('ms_per_step')} ms/step"
-        f" (bound {r.get('bound_ms_per_step')}), compile {r.get('compile_s')} s"
-      )
-PY
+# the figures of the benchmark parts that printed their JSON, one line each, with lca_jax.perf's
+# estimate of the same program beside each (the end of the output is what a remote runner shows
+# first)
+python3 -m lca_jax.bench.gpu_check_summary "$OUT"
 exit 0

@@ -14,4 +14,5 @@
 * ``upstream_side``: the paper's training step, in this process or in a child process.
 * ``upstream_train`` / ``upstream_decode``: both sides' training steps and decoding.
 * ``kernel_estimate``: the same LCA attention programs compiled for a GPU target, estimated.
+* ``gpu_check_summary``: ``tools/gpu_check.sh``'s closing lines, measured beside estimated.
 """

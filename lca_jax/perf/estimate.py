@@ -64,6 +64,7 @@ ATTENTION_SCOPES = ("/attn/", "lca_attention", "blockwise_attention", "dot_produ
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _CUBLAS_CONTRACT = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_CAUSAL = re.compile(r'"mask_type":\s*"CAUSAL"')  # cuDNN attention's backend config
 _GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _NO_WORK = ("Done", "kWaitForStreams", "kSequence")
@@ -133,7 +134,7 @@ def _custom_call_flops(module: hlo.Module, instr: hlo.Instr, path: str, hints: H
     (dtype, q), (_, k) = ops[0], ops[1]
     b, t, h, d = q if len(q) == 4 else (1, 1, 1, 1)
     s = k[1] if len(k) == 4 else t
-    causal = 0.5 if '"mask_type":"CAUSAL"' in instr.attrs else 1.0
+    causal = 0.5 if _CAUSAL.search(instr.attrs) else 1.0
     products = 5 if "Backward" in target else 2
     return 2.0 * products * b * h * t * s * d * causal, dtype, "attention"
   if "triton" in target and any(k in path for k in PALLAS_ROWS_TIMES_WEIGHT) and ops:
