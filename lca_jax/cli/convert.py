@@ -3,7 +3,7 @@
     lca-convert to-torch --checkpoint DIR --out DIR [--dtype float32|bfloat16] [--step N] [--force]
     lca-convert from-torch --torch-dir DIR --out DIR [--vocab-size N] [--force]
                            [--config FILE [--config.SECTION.KEY=VALUE ...]]
-    lca-convert to-hf --checkpoint DIR --out DIR [--step N] [--force]
+    lca-convert to-hf --checkpoint DIR --out DIR [--dtype float32|bfloat16] [--step N] [--force]
 
 to-torch: DIR is an lca-train work directory (latest checkpoint, or --step) or an upstream
 directory; writes config.json + model.safetensors (see lca_jax/interop/upstream.py).
@@ -11,7 +11,7 @@ from-torch: writes an lca-train work directory at step 0 that lca_jax.load / lca
 and train.init_from=DIR fine-tunes from; with --config (and the same overrides lca-train would
 get) it holds a full train state that `lca-train --config FILE --workdir DIR` resumes.
 to-hf: writes a Hugging Face transformers directory (config.json with auto_map, the modeling and
-tokenizer files, float32 model.safetensors) that AutoModelForCausalLM / AutoTokenizer load with
+tokenizer files, model.safetensors in --dtype) that AutoModelForCausalLM / AutoTokenizer load with
 trust_remote_code=True (see lca_jax/interop/hf_export.py).
 Errors are one line on stderr, exit status 2.
 
@@ -65,12 +65,16 @@ def to_torch(
   return convert.to_torch(_load(src, out, step, force), out, dtype, force=force)
 
 
-def to_hf(src, out: str, *, step: Optional[int] = None, force: bool = False) -> str:
+def to_hf(
+  src, out: str, dtype: str = "float32", *, step: Optional[int] = None, force: bool = False
+) -> str:
   """Export the checkpoint at ``src`` (a path ``lca_jax.load`` accepts) to the transformers
-  directory ``out``. Returns the absolute output path."""
-  from lca_jax.interop import hf_export  # pylint: disable=g-import-not-at-top
+  directory ``out``, weights in ``dtype`` (float32 or bfloat16). Returns the absolute output
+  path."""
+  from lca_jax.interop import hf_export, upstream  # pylint: disable=g-import-not-at-top
 
-  return hf_export.to_hf(_load(src, out, step, force), out, force=force)
+  upstream.export_dtype(dtype)  # checked before anything is loaded
+  return hf_export.to_hf(_load(src, out, step, force), out, dtype=dtype, force=force)
 
 
 def from_torch(
@@ -169,6 +173,7 @@ def _parser():
   h = sub.add_parser("to-hf", help="export to a Hugging Face transformers directory")
   h.add_argument("--checkpoint", required=True, help="lca-train work directory or upstream dir")
   h.add_argument("--out", required=True, help="output directory (new or empty)")
+  h.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   h.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
   h.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
   return p
@@ -202,10 +207,10 @@ def main(argv=None) -> int:
         file=sys.stderr,
       )
     elif args.cmd == "to-hf":
-      out = to_hf(args.checkpoint, args.out, step=args.step, force=args.force)
+      out = to_hf(args.checkpoint, args.out, args.dtype, step=args.step, force=args.force)
       print(
-        f"lca-convert: wrote {out} (transformers: AutoModelForCausalLM.from_pretrained"
-        "(DIR, trust_remote_code=True))",
+        f"lca-convert: wrote {out} ({args.dtype}; transformers: "
+        "AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True))",
         file=sys.stderr,
       )
     else:

@@ -7,10 +7,12 @@
     tok = AutoTokenizer.from_pretrained("export/run-hf", trust_remote_code=True)
 
 The directory holds ``config.json`` (``auto_map`` to the classes below, the upstream config under
-``lca_config``), ``generation_config.json``, ``model.safetensors`` (float32, the upstream state
-dict of ``interop/upstream.py`` with names prefixed by ``model.``), ``tokenizer_config.json``,
-``special_tokens_map.json`` and three Python files copied from this package:
-``modeling_lca.py`` (``hf_modeling.py``), ``torch_model.py`` and ``tokenization_lca.py``
+``lca_config``), ``generation_config.json``, ``model.safetensors`` (the upstream state dict of
+``interop/upstream.py`` with names prefixed by ``model.``, in float32 or bfloat16: ``dtype``;
+the RoPE buffer stays float32; ``config.json`` names the dtype as ``dtype`` and
+``torch_dtype``), ``tokenizer_config.json``, ``special_tokens_map.json`` and the Python files
+copied from this package: ``modeling_lca.py`` (``hf_modeling.py``), ``torch_model.py``,
+``torch_incremental.py``, ``torch_multibyte.py`` and ``tokenization_lca.py``
 (``hf_tokenizer.py``). Writing it needs neither torch nor transformers. ``to_hf`` takes a loaded
 model; ``lca-convert to-hf`` (``lca_jax/cli/convert.py``) loads one from a path.
 """
@@ -32,13 +34,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CODE_FILES = {
   "modeling_lca.py": "hf_modeling.py",
   "torch_model.py": "torch_model.py",
+  "torch_incremental.py": "torch_incremental.py",
+  "torch_multibyte.py": "torch_multibyte.py",
   "tokenization_lca.py": "hf_tokenizer.py",
 }
 PREFIX = "model."
 
 
-def hf_config(cfg) -> dict:
-  """``config.json`` of an export of a model of ``cfg``."""
+def hf_config(cfg, dtype: str = "float32") -> dict:
+  """``config.json`` of an export of a model of ``cfg`` with weights in ``dtype``."""
   return {
     "architectures": ["LcaForCausalLM"],
     "model_type": "lca_byte",
@@ -52,8 +56,9 @@ def hf_config(cfg) -> dict:
     "pad_token_id": PAD_ID,
     "eos_token_id": EOS_ID,
     "tie_word_embeddings": False,
-    "use_cache": False,
-    "dtype": "float32",
+    "use_cache": True,
+    "dtype": dtype,
+    "torch_dtype": dtype,
   }
 
 
@@ -80,21 +85,23 @@ def _write_json(path: str, obj: dict) -> None:
   os.replace(tmp, path)
 
 
-def write_hf_dir(out: str, model) -> str:
-  """Write the export of ``model`` (an ``lca_jax.Model``) into the existing directory ``out``."""
+def write_hf_dir(out: str, model, dtype: str = "float32") -> str:
+  """Write the export of ``model`` (an ``lca_jax.Model``) into the existing directory ``out``,
+  weights in ``dtype`` (float32 or bfloat16)."""
   if model.cfg.n_tokens != NUM_BASE_TOKENS:
     raise ConvertError(
       f"the byte tokenizer has {NUM_BASE_TOKENS} ids; the model has {model.cfg.n_tokens}"
     )
   try:
-    sd = upstream.params_to_state_dict(model.params, model.cfg, "float32", model.extras)
+    name = upstream.export_dtype(dtype).name
+    sd = upstream.params_to_state_dict(model.params, model.cfg, name, model.extras)
   except CheckpointError as e:
     raise ConvertError(str(e)) from None
   write_safetensors(os.path.join(out, "model.safetensors"), {PREFIX + k: v for k, v in sd.items()})
-  _write_json(os.path.join(out, "config.json"), hf_config(model.cfg))
+  _write_json(os.path.join(out, "config.json"), hf_config(model.cfg, name))
   _write_json(
     os.path.join(out, "generation_config.json"),
-    {"pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "use_cache": False},
+    {"pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "use_cache": True},
   )
   _write_json(os.path.join(out, "tokenizer_config.json"), tokenizer_config(model.cfg))
   _write_json(
@@ -111,11 +118,16 @@ def write_hf_dir(out: str, model) -> str:
   return out
 
 
-def to_hf(model, out: str, *, force: bool = False) -> str:
+def to_hf(model, out: str, *, dtype: str = "float32", force: bool = False) -> str:
   """Export the loaded ``model`` (an ``lca_jax.Model``) to the transformers directory ``out``
-  (new or empty, or any directory with ``force``). Returns the absolute output path."""
+  (new or empty, or any directory with ``force``), weights in ``dtype`` (float32 or
+  bfloat16). Returns the absolute output path."""
   if isinstance(model, (str, os.PathLike)):
     raise ConvertError(
       f"to_hf takes a loaded model (lca_jax.load({os.fspath(model)!r})), not a path"
     )
-  return write_hf_dir(prepare_out(out, force), model)
+  try:
+    upstream.export_dtype(dtype)  # checked before anything is written
+  except CheckpointError as e:
+    raise ConvertError(str(e)) from None
+  return write_hf_dir(prepare_out(out, force), model, dtype)

@@ -88,20 +88,29 @@ class Attention(torch.nn.Module):
     self.v_proj = _linear(d, self.hd * n_kv_heads)
     self.out_proj = _linear(d, d)
 
-  def forward(self, x, cos, sin, allowed):
-    """x [B,T,d]; cos/sin [T,hd]; allowed: bool [T,T] or [B,T,T] (query, key)."""
-    B, T, d = x.shape
+  def qkv(self, x, cos, sin):
+    """Queries [B,h,T,hd], keys and values [B,kv,T,hd] of x [B,T,d], RoPE applied (cos/sin
+    [T,hd] or [B,1,T,hd])."""
+    B, T, _ = x.shape
     q = self.q_proj(x).view(B, T, self.h, self.hd).transpose(1, 2)
     k = self.k_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
     v = self.v_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+  def mix(self, q, k, v, allowed):
+    """Attention of q [B,h,Tq,hd] over k, v [B,kv,Tk,hd]; allowed: bool [Tq,Tk] or [B,Tq,Tk]."""
+    B, _, Tq, _ = q.shape
     rep = self.h // self.kv  # query head h reads kv head h // rep
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = (q @ k.transpose(-1, -2)) / math.sqrt(self.hd)
     mask = allowed if allowed.dim() == 2 else allowed[:, None]
     s = s.masked_fill(~mask, float("-inf"))
     y = torch.softmax(s, dim=-1) @ v
-    return self.out_proj(y.transpose(1, 2).reshape(B, T, d))
+    return self.out_proj(y.transpose(1, 2).reshape(B, Tq, self.h * self.hd))
+
+  def forward(self, x, cos, sin, allowed):
+    """x [B,T,d]; cos/sin [T,hd]; allowed: bool [T,T] or [B,T,T] (query, key)."""
+    return self.mix(*self.qkv(x, cos, sin), allowed)
 
 
 class MLP(torch.nn.Module):
@@ -125,8 +134,13 @@ class Block(torch.nn.Module):
     self.mlp = MLP(d, c["lm_inter_dim"])
     self.norm1, self.norm2 = RMSNorm(d, eps), RMSNorm(d, eps)
 
-  def forward(self, x, cos, sin, allowed):
-    x = x + self.attn(self.norm1(x), cos, sin, allowed)
+  def forward(self, x, cos, sin, allowed, kv=None):
+    """``kv``: a cache hook, ``kv(k, v)`` stores the new keys and values and returns every key
+    and value the queries attend (``allowed`` then indexes those)."""
+    q, k, v = self.attn.qkv(self.norm1(x), cos, sin)
+    if kv is not None:
+      k, v = kv(k, v)
+    x = x + self.attn.mix(q, k, v, allowed)
     return x + self.mlp(self.norm2(x))
 
 
@@ -145,13 +159,20 @@ class Rotary(torch.nn.Module):
     inv = self.inv_freq
     if n > self.max_pos:  # upstream's linear stretch past max positions
       inv = inv / (n / self.max_pos)
-    f = torch.arange(n, device=inv.device).float()[:, None] * inv[None]
+    return self._tables(torch.arange(n, device=inv.device).float()[:, None] * inv.float()[None])
+
+  def at(self, pos):
+    """cos/sin [..., T, hd] at integer positions ``pos`` [..., T] (incremental decoding)."""
+    return self._tables(pos.float()[..., None] * self.inv_freq.float())
+
+  def _tables(self, f):
     emb = torch.cat([f, f], dim=-1)
     return emb.cos() * self.scale, emb.sin() * self.scale
 
 
 def _rope(x, cos, sin):
   x1, x2 = x.chunk(2, dim=-1)
+  cos, sin = cos.to(x.dtype), sin.to(x.dtype)
   return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
@@ -181,14 +202,20 @@ class MLPHead(torch.nn.Module):  # extra (a): residual MLP-MBP head
 # ----------------------------------------------------------------------------- extra (b)
 
 
-def spacebyte_boundaries(ids, max_group):
-  """SpaceByte rule on byte ids [B,T] -> int64 [B,T] (1 = byte closes its group)."""
+def space_like(ids):
+  """The SpaceByte rule's space-like bytes of ids [...] (bool)."""
   ids = ids.long()
   raw = ids - 3
   alnum = ((raw >= 48) & (raw <= 57)) | ((raw >= 65) & (raw <= 90)) | ((raw >= 97) & (raw <= 122))
   cont = (raw >= 0x80) & (raw <= 0xBF)
   special = (ids < 3) | (ids >= 259)
-  space = special | ~(alnum | cont)
+  return special | ~(alnum | cont)
+
+
+def spacebyte_boundaries(ids, max_group):
+  """SpaceByte rule on byte ids [B,T] -> int64 [B,T] (1 = byte closes its group)."""
+  ids = ids.long()
+  space = space_like(ids)
   prev = F.pad(space[:, :-1], (1, 0), value=False)  # byte 0: predecessor counts as not space-like
   rule = space & ~prev
   b = torch.zeros_like(ids)
@@ -270,8 +297,14 @@ class TorchHierarchicalLM(torch.nn.Module):
     bp = next(iter(self.script_to_bp_layers.values()))  # upstream uses the first predictor
     return bp(h_e)
 
+  @property
+  def has_lca_mbp(self):
+    return not self.flat and len(self.blocks) > 3
+
   @torch.no_grad()
-  def forward(self, ids):
+  def forward(self, ids, with_mbp=True):
+    """The outputs listed in the module docstring; without ``with_mbp`` the multi-byte heads
+    are not computed (their entries are None / absent)."""
     ids = ids.long()
     B, T = ids.shape
     x = self.token_embedding(ids)
@@ -301,12 +334,12 @@ class TorchHierarchicalLM(torch.nn.Module):
       up = lambda t: torch.gather(t, 1, cb[..., None].expand(B, T, t.shape[-1]))
       z_up = up(z)
       h = self._stack(2, z_up + h_e, causal)  # NT decoder
-      if len(self.blocks) > 3:  # LCA-MBP head
+      if with_mbp and self.has_lca_mbp:  # LCA-MBP head
         m = self._stack(3, z_up + up(s), _lca_allowed(g))
         out["mbp_logits"] = self._logits(m)
       out["boundaries"] = b
     out["ntp_logits"] = self._logits(h)
-    if hasattr(self, "mlp_mbp"):
+    if with_mbp and hasattr(self, "mlp_mbp"):
       out["mlp_mbp_logits"] = torch.stack([self._logits(head(h)) for head in self.mlp_mbp], dim=1)
     return out
 
