@@ -8,7 +8,7 @@ DEMO_CONFIG ?= configs/demo.py
 DEMO_STEPS ?= 800
 DEMO_SAMPLE_ARGS ?=
 
-.PHONY: venv demo test test-fast lint bench clean gpu-aot
+.PHONY: venv demo test test-fast lint bench clean gpu-aot tpu-aot
 
 venv: $(STAMP)
 
@@ -71,5 +71,26 @@ gpu-aot: $(CUDA_STAMP)
 	mkdir -p $(dir $(GPU_AOT_OUT))
 	$(VENV_CUDA)/bin/python tools/gpu_aot.py --out $(GPU_AOT_OUT) $(GPU_AOT_ARGS)
 
+# Compiles every production program for TPU v5e / v5p / v6e slices on this host, without a TPU
+# (lca_jax/aot, tools/tpu_aot.py, docs/tpu.md): installs libtpu of the pinned jax (jax[tpu]'s
+# compiler) into a separate .venv-tpu that reads every other package from .venv, runs the tests
+# that need it, then prints the JSON report (also in TPU_AOT_OUT).
+VENV_TPU := .venv-tpu
+TPU_STAMP := $(VENV_TPU)/.installed
+TPU_AOT_OUT ?= workdirs/tpu_aot.json
+TPU_AOT_ARGS ?=
+
+$(TPU_STAMP): $(STAMP)
+	$(PY) -m venv $(VENV_TPU)
+	$(VENV_TPU)/bin/python -c "import site, sys; open(site.getsitepackages()[0] + '/lca_jax_main_venv.pth', 'w').write(sys.argv[1] + '\n')" "$$($(VPY) -c 'import site; print(site.getsitepackages()[0])')"
+	$(VENV_TPU)/bin/python -m pip install -q --no-deps "libtpu==$$($(VPY) -c "import importlib.metadata as m; print(next(r.split('==')[1].split(';')[0].strip() for r in m.requires('jax') if r.startswith('libtpu')))")"
+	$(VENV_TPU)/bin/python -m pip install -q --no-deps -e .
+	touch $(TPU_STAMP)
+
+tpu-aot: $(TPU_STAMP)
+	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV_TPU)/bin/python -m pytest -q tests/test_tpu_aot.py; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	mkdir -p $(dir $(TPU_AOT_OUT))
+	$(VENV_TPU)/bin/python tools/tpu_aot.py --out $(TPU_AOT_OUT) $(TPU_AOT_ARGS)
+
 clean:
-	rm -rf $(VENV) $(VENV_CUDA) workdirs
+	rm -rf $(VENV) $(VENV_CUDA) $(VENV_TPU) workdirs

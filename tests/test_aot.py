@@ -190,7 +190,7 @@ def test_lca_train_aot_without_the_plugin_is_one_line_exit_2():
 def test_lca_train_aot_unknown_target_is_one_line_exit_2():
   r = _run(["-m", "lca_jax.cli.train", "--config", TINY, "--aot", "tpu7"])
   assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
-  assert "unknown GPU target 'tpu7'" in r.stderr
+  assert "unknown target 'tpu7'" in r.stderr
 
 
 @no_plugin

@@ -13,8 +13,9 @@ one step with the bytes/s that launching them allows (``lca_jax/aot``). Each pro
 ``estimate`` (``lca_jax.perf``, docs/gpu.md "Estimated time"): train and eval steps the
 estimated step time, bytes/s, MFU, the split by kind and the costliest kernels; decode programs
 the idle and LM step times and bytes/s at ``--bytes-per-group`` and ``--accepted`` next to the
-memory floor. Progress and a readable summary of each program go to stderr. Needs jax's CUDA plugin (``make gpu-aot`` installs it into .venv-cuda); without it, one
-line of error and exit status 2.
+memory floor. Progress and a readable summary of each program go to stderr. Needs jax's CUDA
+plugin (``make gpu-aot`` installs it into .venv-cuda); without it, one line of error and exit
+status 2. ``tools/tpu_aot.py`` runs the same for TPU targets (``main(kind="tpu")``).
 """
 
 from __future__ import annotations
@@ -36,24 +37,49 @@ aot.import_jax_for_gpu_targets()  # JAX_PLATFORMS=cpu: compile for GPUs, start n
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 
 from lca_jax import configs_io  # noqa: E402  pylint: disable=g-import-not-at-top
-from lca_jax.aot import check, targets, text  # noqa: E402  pylint: disable=g-import-not-at-top
+from lca_jax.aot import check, rates, targets, text  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.errors import LcaError  # noqa: E402  pylint: disable=g-import-not-at-top
 from lca_jax.perf import hardware  # noqa: E402  pylint: disable=g-import-not-at-top
 
 DECODE_SETS = {"all": check.DECODE_CASES, "b1": check.DECODE_CASES[:3], "none": ()}
+PLATFORMS = {  # tool name, target names, device counts, what a device is called
+  "gpu": ("gpu_aot", targets.TARGETS, "1,8", "GPU"),
+  "tpu": ("tpu_aot", targets.TPU_TARGETS, "1", "chip"),
+}
 
 
 def _list(s: str) -> list:
   return [x.strip() for x in s.split(",") if x.strip()]
 
 
-def _parser():
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _parser(kind: str, description: str):
+  _, names, counts, unit = PLATFORMS[kind]
+  p = argparse.ArgumentParser(description=description)
   p.add_argument("--config", default=os.path.join(ROOT, "configs", "lca_mbp.py"))
-  p.add_argument("--targets", default=",".join(targets.TARGETS), help="h100,h200,b200")
-  p.add_argument("--gpus", default="1,8", help="GPU counts of the train step, e.g. 1,8")
+  p.add_argument("--targets", default=",".join(names), help=",".join(names))
+  p.add_argument(
+    "--gpus",
+    "--chips",
+    dest="counts",
+    default=counts,
+    help=f"{unit} counts of the train step, e.g. {counts}"
+    + (" (or topologies, 2x2x2, and slices, 8*2)" if kind == "tpu" else ""),
+  )
   p.add_argument("--impls", default="xla,pallas", help="attention implementations")
-  p.add_argument("--micro-per-gpu", type=int, default=16, help="rows per GPU per micro-batch")
+  p.add_argument(
+    "--micro-per-gpu",
+    "--micro-per-chip",
+    dest="micro",
+    type=int,
+    default=16,
+    help=f"rows per {unit} per micro-batch",
+  )
+  p.add_argument(
+    "--fit",
+    action="store_true",
+    help="after a train step that does not fit, compile the micro-batch / remat settings that "
+    "might (check.fit_search)",
+  )
   p.add_argument("--decode", default="all", choices=sorted(DECODE_SETS), help="decode programs")
   p.add_argument("--out", default="", help="also write the JSON here")
   p.add_argument(
@@ -63,23 +89,27 @@ def _parser():
     "--accepted",
     type=float,
     default=0.0,
-    help=f"estimate: bytes a row commits per verify/threshold step (0: {check.DEFAULT_ACCEPTED:g})",
+    help=f"estimate: bytes a row commits per verify/threshold step (0: {rates.DEFAULT_ACCEPTED:g})",
   )
   p.add_argument("--launch-graph-us", type=float, default=hardware.Launch.graph_s * 1e6)
   p.add_argument("--launch-host-us", type=float, default=hardware.Launch.host_s * 1e6)
   return p
 
 
-def main(argv=None) -> int:
-  args, rest = _parser().parse_known_args(argv)
+def main(argv=None, kind: str = "gpu", description: str = "") -> int:
+  tool, known, _, _ = PLATFORMS[kind]
+  args, rest = _parser(kind, description or __doc__.split("\n\n")[0]).parse_known_args(argv)
   try:
     config = configs_io.load_config(args.config)
     configs_io.apply_overrides(config, configs_io.split_overrides(rest))
     names = _list(args.targets)
+    counts = _list(args.counts)
     for name in names:
-      targets.parse(name)
-    gpus = [targets.parse(f"h100:{g}").n_devices for g in _list(args.gpus)]
-    targets.require_plugin()
+      if name.lower() not in known:
+        raise ValueError(f"unknown target {name!r}: {tool} compiles for {', '.join(known)}")
+      for n in counts:
+        targets.parse(f"{name}:{n}")
+      targets.require_compiler(targets.parse(name))
     if (
       args.bytes_per_group < 0
       or args.accepted < 0
@@ -87,7 +117,7 @@ def main(argv=None) -> int:
     ):
       raise ValueError("--bytes-per-group, --accepted and the launch costs must be >= 0")
   except (LcaError, ValueError) as e:
-    print(f"gpu_aot: error: {e}", file=sys.stderr)
+    print(f"{tool}: error: {e}", file=sys.stderr)
     return 2
   work = check.Workload(
     bytes_per_group=args.bytes_per_group or None,
@@ -98,7 +128,7 @@ def main(argv=None) -> int:
 
   def log(r):
     print(
-      f"gpu_aot: {r['target']} {r['program']} {r.get('attention_impl', r.get('mode', ''))}: "
+      f"{tool}: {r['target']} {r['program']} {r.get('attention_impl', r.get('mode', ''))}: "
       f"compile {r['compile_s']} s, {r['memory']['total_gb']} GB ({r['memory']['verdict']})",
       file=sys.stderr,
     )
@@ -108,18 +138,19 @@ def main(argv=None) -> int:
     reports = check.suite(
       config,
       names,
-      gpus,
+      counts,
       _list(args.impls),
-      args.micro_per_gpu,
+      args.micro,
       DECODE_SETS[args.decode],
       log,
       work,
+      fit=args.fit,
     )
   except (LcaError, ValueError) as e:
-    print(f"gpu_aot: error: {e}", file=sys.stderr)
+    print(f"{tool}: error: {e}", file=sys.stderr)
     return 2
   out = dict(
-    tool="gpu_aot",
+    tool=tool,
     config=os.path.relpath(args.config, ROOT),
     jax=jax.__version__,
     host=dict(machine=platform.machine(), cores=os.cpu_count()),

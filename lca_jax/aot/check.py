@@ -22,33 +22,19 @@ empty (hence the estimate of ``lca_jax.perf``).
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import tempfile
 import time
-from typing import Optional
 
 import jax
 
 from lca_jax import backend, xla_options
-from lca_jax.aot import programs, report, targets
+from lca_jax.aot import programs, report, targets, tpu_check
+from lca_jax.aot.rates import Workload, decode_estimate, train_estimate
 from lca_jax.model.config import ModelConfig
 from lca_jax.perf import estimate, hardware, thunks, workload
 
 FALLBACK = {"xla_gpu_enable_triton_gemm": False}  # GEMMs through cuBLAS
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-  """What the time estimate assumes of the data: bytes per group (None: the config's
-  1 / bp_prior), bytes a row commits per step in ``verify`` / ``threshold`` (None: 2, at most
-  the step's width), and the launch constants."""
-
-  bytes_per_group: Optional[float] = None
-  accepted: Optional[float] = None
-  launch: hardware.Launch = hardware.Launch()
-
-
-DEFAULT_ACCEPTED = 2.0
 
 
 def compile_with_dump(lowered, options: dict):
@@ -64,16 +50,9 @@ def compile_with_dump(lowered, options: dict):
   return compiled, seconds, seq, meta
 
 
-def _brief(s: dict) -> dict:
-  keys = ("step_s", "floor_s", "launch_s", "launches", "host_syncs", "flops", "bytes", "split_s")
-  return {k: s[k] for k in keys}
-
-
 def estimate_program(program, target, hlo_text, seq, meta, work: Workload = Workload()) -> dict:
-  """The ``estimate`` of one compiled program (module docstring)."""
+  """The ``estimate`` of one compiled GPU program (module docstring)."""
   gpu = hardware.gpu(target.name)
-  cfg = program.cfg
-  info = program.info
   constants = dict(
     dot_efficiency=gpu.dot_efficiency,
     memory_efficiency=gpu.memory_efficiency,
@@ -85,51 +64,12 @@ def estimate_program(program, target, hlo_text, seq, meta, work: Workload = Work
   )
   if program.decode:
     idle, lm = estimate.decode_steps(hlo_text, seq, meta, gpu, launch=work.launch)
-    mode = info["mode"]
-    width = int(info.get("n", 3)) if mode != "ntp" else 1
-    accepted = work.accepted or min(DEFAULT_ACCEPTED, width)
-    rates = workload.decode_rates(
-      cfg,
-      gpu,
-      idle["step_s"],
-      lm["step_s"],
-      mode=mode,
-      batch=info["batch"],
-      width=width,
-      prompt_len=info["prompt_len"],
-      max_bytes=info["max_bytes"],
-      bytes_per_group=work.bytes_per_group,
-      accepted=accepted,
-    )
-    return dict(
-      rates,
-      idle_step=_brief(idle),
-      lm_step=_brief(lm),
-      top_kernels=lm["top_kernels"],
-      constants=constants,
-      gpu=gpu.name,
-    )
-  hints = workload.train_hints(cfg, info["seq_len"], work.bytes_per_group)
+    return decode_estimate(program, gpu, idle, lm, work, constants)
+  hints = workload.train_hints(program.cfg, program.info["seq_len"], work.bytes_per_group)
   s = estimate.estimate(
     hlo_text, seq, meta, gpu, hints=hints, launch=work.launch, n_devices=target.n_devices
   )
-  train = program.name == "train_step"
-  accum = info["accum"] if train else 1
-  useful = workload.train_useful_flops(
-    cfg, info["micro_batch"], info["seq_len"], accum, work.bytes_per_group
-  )
-  useful = useful if train else useful / 3.0  # eval: the forward (2 of 6 FLOPs per weight)
-  rows_bytes = accum * info["micro_batch"] * info["seq_len"]
-  mfu = useful / target.n_devices / (s["step_s"] * gpu.bf16_flops)
-  return dict(
-    s,
-    bytes_per_s=rows_bytes / s["step_s"],
-    useful_flops=useful,
-    mfu=mfu,
-    floor_mfu=useful / target.n_devices / (s["floor_s"] * gpu.bf16_flops),
-    hints=dict(trips=dict(hints.trips), keys_per_query=dict(hints.keys_per_query)),
-    constants=constants,
-  )
+  return train_estimate(program, target.n_devices, gpu, s, work, hints, constants)
 
 
 def check(
@@ -137,7 +77,9 @@ def check(
 ) -> dict:
   """The report of ``program`` compiled for ``target`` with XLA ``options`` (default: those
   the program runs with: the decode options for a decode program, none for the others), with
-  the time estimate under ``work``."""
+  the time estimate under ``work``. A TPU target's report is ``tpu_check.check``'s."""
+  if target.platform == "tpu":
+    return tpu_check.check(program, target, work)
   if options is None:
     with backend.target("gpu"):
       options = (xla_options.decode_options() or {}) if program.decode else {}
@@ -182,7 +124,8 @@ def decode_reports(
 ) -> list:
   """Reports of the decode programs of ``cases``: dicts of ``generate`` options with a
   ``batch`` (e.g. ``dict(batch=1, mode="verify", n=3)``), on one device of ``target``."""
-  device = targets.devices(targets.Target(target.name, 1))[0]
+  one = target.one()
+  device = targets.devices(one)[0]
   out = []
   for case in cases:
     case = dict(case)
@@ -190,7 +133,33 @@ def decode_reports(
     p = programs.decode_program(
       cfg, device, batch=batch, prompt_len=prompt_len, max_bytes=max_bytes, **case
     )
-    out.append(check(p, targets.Target(target.name, 1), work=work))
+    out.append(check(p, one, work=work))
+  return out
+
+
+def fit_search(config, target, first: dict, work: Workload = Workload()) -> list:
+  """Train step reports of the settings tried after ``first`` (``config``'s, which does not
+  fit): the micro-batch that its temporaries predict would fit (temporaries taken as
+  proportional to the rows, rounded down to a power of two), halved until one fits, without
+  remat; then, when that is smaller than ``config``'s, ``config``'s micro-batch with remat."""
+  m = first["memory"]
+  per_device = first["micro_batch_per_device"]
+  room = m["device_gb"] - (m["total_gb"] - m["temp_gb"])
+  guess = per_device * room / m["temp_gb"] if m["temp_gb"] > 0 and room > 0 else 1
+  rows = 1 << max(int(math.floor(math.log2(max(guess, 1)))), 0)
+  rows = min(rows, per_device // 2) if per_device > 1 else 0
+  out = []
+  while rows >= 1:
+    c = config.copy_and_resolve_references()
+    c.train.micro_batch_size = rows * target.n_devices
+    out += train_reports(c, target, ("train_step",), work)
+    if out[-1]["memory"]["fits"]:
+      break
+    rows //= 2
+  if (not out or out[-1]["micro_batch_per_device"] < per_device) and not config.model.remat:
+    c = config.copy_and_resolve_references()
+    c.model.remat = True
+    out += train_reports(c, target, ("train_step",), work)
   return out
 
 
@@ -213,11 +182,13 @@ def suite(
   decode_cases=DECODE_CASES,
   log=None,
   work: Workload = Workload(),
+  fit: bool = False,
 ) -> list:
-  """Reports of every production program of ``config`` for each target: the train step per
-  attention implementation and GPU count (``micro_per_gpu`` rows per GPU in each micro-batch),
-  the eval step (first implementation, one GPU), and the decode programs of ``decode_cases``.
-  ``log(report)`` is called after each program."""
+  """Reports of every production program of ``config`` for each target (a GPU or TPU name): the
+  train step per attention implementation and device count (``micro_per_gpu`` rows per GPU or
+  TPU chip in each micro-batch), the eval step (first implementation, first count), and the
+  decode programs of ``decode_cases`` (one device); with ``fit``, ``fit_search``'s reports after
+  a train step that does not fit. ``log(report)`` is called after each program."""
   out = []
 
   def add(reports):
@@ -229,12 +200,16 @@ def suite(
   for name in target_names:
     for impl in impls:
       for n in gpu_counts:
+        target = targets.parse(f"{name}:{n}")
         c = config.copy_and_resolve_references()
         c.model.attention_impl = impl
-        c.train.micro_batch_size = micro_per_gpu * n
+        c.train.micro_batch_size = micro_per_gpu * target.n_devices
         first = impl == impls[0] and n == gpu_counts[0]
         which = ("train_step", "eval_step") if first else ("train_step",)
-        add(train_reports(c, targets.Target(name, n), which, work))
+        reports = train_reports(c, target, which, work)
+        add(reports)
+        if fit and not reports[0]["memory"]["fits"]:
+          add(fit_search(c, target, reports[0], work))
     cfg = ModelConfig.from_dict(config.model.to_dict())
-    add(decode_reports(cfg, targets.Target(name, 1), decode_cases, work=work))
+    add(decode_reports(cfg, targets.parse(name).one(), decode_cases, work=work))
   return out

@@ -1,7 +1,8 @@
 """The production programs, built from abstract arguments on a target's devices.
 
 Each builder returns a ``Program``: a name, the jitted function's ``Lowered`` form (traced for
-the GPU: inside ``backend.target("gpu")`` and, for the sharded steps, the run's mesh context)
+the target's platform: inside ``backend.target("gpu")`` or ``backend.target("tpu")`` and, for
+the sharded steps, the run's mesh context)
 and what the report needs besides the HLO (sequence length, state bytes per device). The train
 and eval steps are those ``lca-train`` runs (``train.loop.prepare`` over the target's devices,
 so the mesh, batch plan, shardings and donation are the run's own); the decode programs are
@@ -57,6 +58,11 @@ def _batch(shape: Sequence[int], sharding) -> dict:
   return {k: jax.ShapeDtypeStruct(tuple(shape), jnp.int32, sharding=sharding) for k in BATCH_KEYS}
 
 
+def platform_of(devices) -> str:
+  """'tpu' for TPU devices, else 'gpu' (the platform a deviceless program is traced for)."""
+  return "tpu" if next(iter(devices)).platform == "tpu" else "gpu"
+
+
 def train_programs(config, devices) -> list:
   """The train step and the eval step ``lca-train`` compiles for ``config`` on ``devices``."""
   t0 = time.perf_counter()
@@ -72,7 +78,7 @@ def train_programs(config, devices) -> list:
     remat=setup.model_cfg.remat,
     dtype=setup.model_cfg.dtype,
   )
-  with backend.target("gpu"), shd.mesh_context(mesh):
+  with backend.target(platform_of(devices)), shd.mesh_context(mesh):
     train = setup.train_step.lower(
       setup.abstract,
       _batch((plan.accum, plan.micro, plan.seq_len), shd.batch_sharding(mesh, True)),
@@ -118,7 +124,7 @@ def decode_program(
     lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), params
   )
   t0 = time.perf_counter()
-  with backend.target("gpu"):
+  with backend.target(platform_of([device])):
     lowered = engine.lower_abstract(
       cfg, params, batch, prompt_len, sharding, max_bytes=max_bytes, **options
     )

@@ -13,24 +13,32 @@ def header(r: dict) -> str:
   mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
   return (
     f"{r['target']} ({r['device']}, {r['memory']['device_gb']:.1f} GB each): mesh {mesh}; "
-    f"micro-batch {r['micro_batch']} rows ({r['micro_batch_per_device']} per GPU) x "
+    f"micro-batch {r['micro_batch']} rows ({r['micro_batch_per_device']} per {_unit(r)}) x "
     f"{r['accum']} accumulated, T {r['seq_len']}, attention {r['attention_impl']}, "
     f"{r['dtype']}, remat {'on' if r['remat'] else 'off'}"
   )
 
 
+def _unit(r: dict) -> str:
+  return r.get("unit", "GPU")
+
+
 def program_lines(r: dict) -> List[str]:
   m = r["memory"]
+  gemms = (
+    f"{r['gemm_fusions']['total']} Triton GEMM fusions, {r['gemm_fusions']['distinct']} distinct "
+    "(each autotuned when a GPU compiles); "
+    if _unit(r) == "GPU"
+    else ""
+  )
   lines = [
-    f"{r['program']}: {m['total_gb']:.2f} GB per GPU: {m['verdict']}"
+    f"{r['program']}: {m['total_gb']:.2f} GB per {_unit(r)}: {m['verdict']}"
     + (f" ({m['margin_gb']:.2f} GB free)" if m["fits"] else ""),
     f"  parameters + optimizer state {m['state_gb']:.2f} GB, temporaries {m['temp_gb']:.2f} GB, "
     f"arguments {m['argument_gb']:.2f} GB, outputs {m['output_gb']:.2f} GB "
     f"({m['alias_gb']:.2f} GB of them in donated arguments)",
     f"  compiled in {r['compile_s']:.1f} s (traced in {r['lower_s']:.1f} s); "
-    f"{r['fusions']['total']} fusions ({_counts(r['fusions'])}); "
-    f"{r['gemm_fusions']['total']} Triton GEMM fusions, {r['gemm_fusions']['distinct']} distinct "
-    f"(each autotuned when a GPU compiles); {r['while_loops']} loops",
+    f"{r['fusions']['total']} fusions ({_counts(r['fusions'])}); {gemms}{r['while_loops']} loops",
     f"  custom calls: {_counts(r['custom_calls'])}",
   ]
   lines += estimate_lines(r.get("estimate"))
@@ -60,12 +68,20 @@ def estimate_lines(e) -> List[str]:
   if not e:
     return []
   c = e["constants"]
-  how = (
-    f"(lca_jax.perf: kernels at {c['dot_efficiency']:.0%} of {c['peak_bf16_tflops']:.0f} TFLOP/s "
-    f"and {c['memory_efficiency']:.0%} of {c['memory_tb_s']:.2f} TB/s, "
-    f"{c['launch_graph_us']:g} us per kernel in a CUDA graph, {c['launch_host_us']:g} us "
-    "launched by the host)"
-  )
+  if "launch_graph_us" in c:
+    how = (
+      f"(lca_jax.perf: kernels at {c['dot_efficiency']:.0%} of {c['peak_bf16_tflops']:.0f} "
+      f"TFLOP/s and {c['memory_efficiency']:.0%} of {c['memory_tb_s']:.2f} TB/s, "
+      f"{c['launch_graph_us']:g} us per kernel in a CUDA graph, {c['launch_host_us']:g} us "
+      "launched by the host)"
+    )
+  else:
+    how = (
+      f"({e['source']}"
+      + (f", as {e['why']}" if e.get("why") else "")
+      + f": ops at {c['dot_efficiency']:.0%} of {c['peak_bf16_tflops']:.0f} TFLOP/s and "
+      f"{c['memory_efficiency']:.0%} of {c['memory_tb_s']:.2f} TB/s, {c['op_us']:g} us per op)"
+    )
   if "mfu" in e:
     split = ", ".join(f"{k} {_ms(v)}" for k, v in e["split_s"].items() if v)
     lines = [
@@ -81,8 +97,9 @@ def estimate_lines(e) -> List[str]:
     )
     return lines + [f"  costliest kernels: {top}"]
   idle, lm = e["idle_step"], e["lm_step"]
+  ops = "launches" if "launch_graph_us" in c else "ops"
   return [
-    f"  estimated step {_ms(idle['step_s'])} idle ({idle['launches']:g} launches), "
+    f"  estimated step {_ms(idle['step_s'])} idle ({idle['launches']:g} {ops}), "
     f"{_ms(lm['step_s'])} when the latent LM runs ({lm['launches']:g}); at "
     f"{e['bytes_per_group']:.3g} bytes per group and {e['accepted_per_step']:g} bytes per row "
     f"per step: {e['bytes_per_s']:,.0f} bytes/s; memory floor {e['floor_bytes_per_s']:,.0f} "

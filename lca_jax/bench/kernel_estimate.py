@@ -41,6 +41,10 @@ def run(
   """JSON: per implementation the estimated forward and forward+backward ms (``fwd_est_ms``,
   ``fwd_bwd_est_ms``), their roofline floors, FLOPs, bytes and launches; or an error."""
   tgt = targets.parse(target)
+  if tgt.platform != "gpu":
+    raise targets.AotError(
+      f"the kernel estimate is for GPUs ({', '.join(targets.TARGETS)}), not {target!r}"
+    )
   gpu = hardware.gpu(tgt.name)
   sharding = SingleDeviceSharding(targets.devices(targets.Target(tgt.name, 1))[0])
   rng = np.random.default_rng(seed)

@@ -61,11 +61,12 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument(
     "--aot",
     default="",
-    metavar="GPU[:N]",
+    metavar="TARGET[:N]",
     help="do not train: compile the train and eval steps for N GPUs of a kind (h100, h200, "
-    "b200) on this host, without a GPU, and print what each needs per GPU (memory against the "
-    "GPU's, compile time, kernels); exit status 1 when one does not fit. Needs jax's CUDA "
-    "plugin (make gpu-aot)",
+    "b200) or a TPU slice (v5e, v5p, v6e: v5p:8, v5p:2x2x2, v5p:8*2 for two slices) on this "
+    "host, without one, and print what each needs per device (memory against the device's, "
+    "compile time, kernels, estimated time); exit status 1 when one does not fit. Needs jax's "
+    "CUDA plugin (make gpu-aot) or libtpu (make tpu-aot)",
   )
   parser.add_argument("--json", action="store_true", help="with --aot: print the reports as JSON")
   dist = parser.add_argument_group(
@@ -181,7 +182,8 @@ def _summary(result) -> str:
 
 
 def _aot(args, rest) -> int:
-  """``--aot GPU[:N]``: the run's train and eval steps compiled for that target, reported."""
+  """``--aot TARGET[:N]``: the run's train and eval steps compiled for that target (GPUs or a
+  TPU slice), reported."""
   from lca_jax import aot  # pylint: disable=g-import-not-at-top
 
   aot.import_jax_for_gpu_targets()
@@ -191,7 +193,7 @@ def _aot(args, rest) -> int:
     config = configs_io.load_config(args.config)
     configs_io.apply_overrides(config, configs_io.split_overrides(rest))
     target = targets.parse(args.aot)
-    targets.require_plugin()
+    targets.require_compiler(target)
     reports = check.train_reports(config, target)
   except (LcaError, ValueError) as e:
     return _fail(str(e))

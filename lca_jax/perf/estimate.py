@@ -62,6 +62,7 @@ COLLECTIVES = {
 CATEGORIES = ("gemm", "attention", "elementwise", "copy", "collective", "launch")
 ATTENTION_SCOPES = ("/attn/", "lca_attention", "blockwise_attention", "dot_product_attention")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_CONV_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
 _CUBLAS_CONTRACT = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _CAUSAL = re.compile(r'"mask_type":\s*"CAUSAL"')  # cuDNN attention's backend config
@@ -114,7 +115,11 @@ def _dot_flops(module: hlo.Module, instr: hlo.Instr) -> Tuple[float, str, bool]:
     k = math.prod(dims[int(c)] for c in m.group(1).split(",") if c) if m else 1
   else:  # convolution: each output element sums kernel window x input features
     rhs = hlo.arrays(module.type_of(instr.operands[1]))
-    k = math.prod(rhs[0][1]) / max(instr.shape[-1], 1) if rhs else 1
+    labels = _CONV_LABELS.search(instr.attrs)  # e.g. 0fb_0io->bf0: rhs output features at "o"
+    rhs_dims = rhs[0][1] if rhs else ()
+    o = labels.group(1).find("o") if labels else -1
+    out_features = rhs_dims[o] if 0 <= o < len(rhs_dims) else (instr.shape or (1,))[-1]
+    k = math.prod(rhs_dims) / max(out_features, 1) if rhs else 1
   return 2.0 * out * k, dtype, "highest" in instr.attrs
 
 

@@ -1,4 +1,4 @@
-"""Peak rates of the GPU targets and the launch constants of the time estimate.
+"""Peak rates of the GPU and TPU targets and the launch constants of the time estimate.
 
 Datasheet figures (dense, no sparsity), per GPU:
 
@@ -97,3 +97,44 @@ class Launch:
 
 def gpu(name: str) -> Gpu:
   return GPUS[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tpu(Gpu):
+  """A TPU chip in the same terms (``perf.tpu`` prices its programs with ``estimate``'s kernel
+  costs). A float32 dot at XLA's default precision runs as one bf16 pass on the MXU
+  (``tf32_flops`` = the bf16 peak), at HIGHEST as six (``fp32_flops``); the v5 and v6e MXUs
+  take no fp8 operands of their own (``fp8_flops`` = the bf16 peak). ``link_bytes_per_s``: half
+  of the chip's ICI bandwidth (one direction), ``hbm_bytes``: its memory."""
+
+  hbm_bytes: float = 0.0
+  device_kind: str = ""  # jax's ``device_kind`` of the chip
+
+
+def _tpu(name, kind, tflops, hbm_gb, hbm_tb_s, ici_gbit_s, source) -> Tpu:
+  return Tpu(
+    name,
+    tflops * T,
+    tflops * T,
+    tflops * T / 6,
+    tflops * T,
+    hbm_tb_s * 1e12,
+    ici_gbit_s / 8 * 1e9 / 2,
+    source,
+    hbm_bytes=hbm_gb * 1e9,
+    device_kind=kind,
+  )
+
+
+# Google Cloud TPU system architecture pages (per chip, bf16 dense): v5e 197 TFLOP/s, 16 GB HBM2
+# at 819 GB/s, ICI 1600 Gbit/s; v5p 459 TFLOP/s, 95 GB HBM2e at 2765 GB/s, ICI 4800 Gbit/s;
+# v6e (Trillium) 918 TFLOP/s, 32 GB HBM at 1640 GB/s, ICI 3584 Gbit/s.
+TPUS = {
+  "v5e": _tpu("TPU v5e", "TPU v5 lite", 197, 16, 0.819, 1600, "Cloud TPU v5e documentation"),
+  "v5p": _tpu("TPU v5p", "TPU v5", 459, 95, 2.765, 4800, "Cloud TPU v5p documentation"),
+  "v6e": _tpu("TPU v6e", "TPU v6 lite", 918, 32, 1.64, 3584, "Cloud TPU v6e documentation"),
+}
+
+
+def tpu(name: str) -> Tpu:
+  return TPUS[name]

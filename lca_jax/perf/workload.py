@@ -37,8 +37,14 @@ def group_len(cfg: ModelConfig, bytes_per_group: Optional[float] = None) -> floa
   return 1.0 / cfg.bp_prior if cfg.bp_prior > 0 else 3.0
 
 
-def train_hints(cfg: ModelConfig, seq_len: int, bytes_per_group: Optional[float] = None):
-  """``Hints`` for a train or eval step of ``cfg`` at ``seq_len`` bytes per row."""
+def train_hints(
+  cfg: ModelConfig,
+  seq_len: int,
+  bytes_per_group: Optional[float] = None,
+  pallas_block: int = PALLAS_BLOCK,
+):
+  """``Hints`` for a train or eval step of ``cfg`` at ``seq_len`` bytes per row, the Pallas
+  kernels' blocks at most ``pallas_block`` (the TPU kernel's are 128)."""
   doc, _, plan = costs.regular_layout(cfg, 1, seq_len, group_len(cfg, bytes_per_group))
   trips, keys = [], []
   for name, _, lo, bq, bk in costs.attention_stacks(cfg, doc, plan):
@@ -46,7 +52,7 @@ def train_hints(cfg: ModelConfig, seq_len: int, bytes_per_group: Optional[float]
     sched = schedule(lo, min(bq, t), min(bk, t))
     per_block = float(np.mean(np.asarray(sched.n_tiles_N)))
     trips.append((STACK_PATHS[name], per_block / LOOPS_PER_BLOCK))
-    b = min(PALLAS_BLOCK, max(16, 1 << (t - 1).bit_length()))
+    b = min(pallas_block, max(16, 1 << (t - 1).bit_length()))
     keys.append((STACK_PATHS[name], pallas_keys_per_query(lo, b, b)))
   return Hints(trips=tuple(trips), keys_per_query=tuple(keys))
 

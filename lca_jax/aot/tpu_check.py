@@ -1,0 +1,90 @@
+"""Compile a program for a TPU target without a TPU and report what it needs.
+
+``check(program, target)`` compiles one ``programs.Program`` with libtpu and returns the report
+``check.check`` gives for a GPU, in the TPU's terms: memory per chip against its HBM (a TPU
+process takes the whole HBM: no pool fraction, no CUDA context), compile seconds, fusions,
+custom calls (Pallas kernels are ``tpu_custom_call``), loops, large buffers, and the
+``estimate``: XLA's own time estimate (``optimal_seconds``) where it holds, else the per-op model
+of ``perf.tpu``, with ``source`` saying which; for train and eval steps MFU (useful FLOPs / chips
+/ (estimate x the chip's bf16 peak)), for decode programs the idle and LM step times and
+bytes/s (``rates.decode_estimate``).
+"""
+
+from __future__ import annotations
+
+import time
+
+from lca_jax import backend
+from lca_jax.aot import rates, report
+from lca_jax.perf import tpu, workload
+
+GB = 1e9
+KERNEL_BLOCK = 128  # the TPU attention kernel's blocks (kernels.tpu_attention)
+
+
+def memory(compiled, device_bytes: int, state_bytes: int) -> dict:
+  """Per-chip bytes of ``compiled`` (``memory_analysis``) against the chip's HBM."""
+  m = compiled.memory_analysis()
+  total = (
+    m.argument_size_in_bytes
+    + m.output_size_in_bytes
+    - m.alias_size_in_bytes
+    + m.temp_size_in_bytes
+    + m.generated_code_size_in_bytes
+  )
+  fits = total <= device_bytes
+  free = device_bytes - total
+  return dict(
+    state_gb=round(state_bytes / GB, 3),
+    argument_gb=round(m.argument_size_in_bytes / GB, 3),
+    output_gb=round(m.output_size_in_bytes / GB, 3),
+    alias_gb=round(m.alias_size_in_bytes / GB, 3),
+    temp_gb=round(m.temp_size_in_bytes / GB, 3),
+    total_gb=round(total / GB, 3),
+    device_gb=round(device_bytes / GB, 3),
+    fits=fits,
+    verdict="fits in HBM" if fits else f"does not fit by {-free / GB:.2f} GB",
+    margin_gb=round(free / GB, 3),
+  )
+
+
+def estimate_program(program, target, compiled, hlo_text: str, work) -> dict:
+  """The ``estimate`` of one compiled TPU program (module docstring)."""
+  chip = target.chip
+  constants = dict(
+    dot_efficiency=chip.dot_efficiency,
+    memory_efficiency=chip.memory_efficiency,
+    peak_bf16_tflops=chip.bf16_flops / 1e12,
+    memory_tb_s=chip.memory_bytes_per_s / 1e12,
+    op_us=tpu.OP_S * 1e6,
+  )
+  if program.decode:
+    idle, lm = tpu.decode_steps(hlo_text, chip)
+    out = rates.decode_estimate(program, chip, idle, lm, work, constants)
+    return dict(out, source=tpu.MODEL)
+  hints = workload.train_hints(
+    program.cfg, program.info["seq_len"], work.bytes_per_group, pallas_block=KERNEL_BLOCK
+  )
+  s = tpu.program_estimate(hlo_text, chip, hints, target.n_devices)
+  chosen = tpu.step_estimate(s["step_s"], tpu.compiler_seconds(compiled), tpu.has_loops(hlo_text))
+  s = dict(s, **chosen)
+  if chosen["source"] == tpu.COMPILER:
+    s["floor_s"] = min(s["floor_s"], chosen["step_s"])
+  return rates.train_estimate(program, target.n_devices, chip, s, work, hints, constants)
+
+
+def check(program, target, work) -> dict:
+  """The report of ``program`` compiled for TPU ``target`` (module docstring)."""
+  out = dict(program=program.name, target=str(target), device=target.device_name, unit="chip")
+  t0 = time.perf_counter()
+  with backend.target("tpu"):
+    compiled = program.lowered.compile()
+  seconds = time.perf_counter() - t0
+  out.update(program.info)
+  out.update(lower_s=round(program.lower_s, 2), compile_s=round(seconds, 2))
+  out["memory"] = memory(compiled, target.memory_bytes, program.state_bytes)
+  hlo_text = compiled.as_text()
+  out.update(report.hlo_summary(hlo_text, program.seq_len))
+  if program.cfg is not None:
+    out["estimate"] = estimate_program(program, target, compiled, hlo_text, work)
+  return out
