@@ -3,7 +3,9 @@
 Tiny local task files written here (multiple choice, a rolling-loglikelihood document set, a
 generation task) run through lm-eval's own ``simple_evaluate`` and CLI with ``--model lca_jax``:
 loglikelihoods equal the model's own log-softmax sums, generation equals ``Model.generate`` cut
-at the stop string, and lm-eval's ``hf`` model on the ``lca-convert to-hf`` export gives the
+at the stop string (a row that meets it stops within a decode chunk and frees its slot; the
+bytes generated are counted), ``batch_size=auto`` picks a size or refuses, the chat template is
+the SFT chat format, and lm-eval's ``hf`` model on the ``lca-convert to-hf`` export gives the
 same loglikelihoods and bits per byte. No network: local json files, offline hub.
 """
 
@@ -14,6 +16,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import json  # noqa: E402
+import types  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -171,3 +174,78 @@ def test_cli(tiny_upstream_checkpoint, tasks, tmp_path, capsys):
   assert lm_eval_cli.main(bad + ["--tasks", "tiny_mc", "--include_path", tasks]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith("lca-lm-eval: error:") and "does not exist" in err[-1]
+
+
+def _adapter(checkpoint, **kw):
+  from lca_jax.eval.lm_eval_adapter import LcaJaxLM  # pylint: disable=g-import-not-at-top
+
+  return LcaJaxLM(model=lca_jax.load(checkpoint), **kw)
+
+
+def _req(context, **kw):
+  return types.SimpleNamespace(args=(context, kw))
+
+
+def test_generate_until_stops_rows_early(tiny_upstream_checkpoint):
+  lm = _adapter(tiny_upstream_checkpoint, batch_size=2, stop_chunk=8)
+  prompts = ["Q: say hi\nA:", "The sky is", "ab"]
+  full = [
+    vocab.decode(ids, stop_at_eos=True) for ids in lm.model.generate(prompts, max_bytes=96).ids
+  ]
+  assert len(full[0]) > 40  # no early eos: the stop string is what ends row 0
+  stop = full[0][20:23]
+  at = full[0].find(stop)
+  stop_end = len(full[0][:at].encode()) + len(stop.encode())
+  reqs = [
+    _req(prompts[0], until=[stop], max_gen_toks=96),
+    _req(prompts[1], max_gen_toks=40),  # no stop strings: its whole budget
+    _req(prompts[2], until=["\x00never"], max_gen_toks=64),  # waits for a free slot
+  ]
+  got = lm.generate_until(reqs)
+  assert got == [full[0][:at], full[1][: len(got[1])], full[2][: len(got[2])]]
+  assert len(got[1].encode()) >= 30 and len(got[2].encode()) >= 50  # (a few replaced bytes)
+  generated = lm.tally.figures()["generated_bytes"]
+  assert generated <= (stop_end + 8) + 40 + 64 < 96 + 40 + 64  # row 0 stopped within a chunk
+  assert generated >= stop_end + 40 + 64 - 6  # every real row's bytes are counted
+
+
+def test_batch_size_auto(tiny_upstream_checkpoint):
+  from lca_jax.eval import lm_eval_adapter as ad  # pylint: disable=g-import-not-at-top
+
+  lm = _adapter(tiny_upstream_checkpoint, batch_size="auto", max_batch_size=8)
+  assert lm.batch_size == 8
+  assert _adapter(tiny_upstream_checkpoint, batch_size="auto:4").batch_size == ad.AUTO_MAX_BATCH
+  cfg = lm.model.cfg
+  row = ad.decode_cache_bytes(cfg, 64)
+  assert ad.auto_batch_size(cfg, 64, 64, free=2 * row * 5) == 4  # half the memory: 5 rows
+  with pytest.raises(ad.AdapterError, match="batch_size=auto: one row"):
+    ad.auto_batch_size(cfg, 64, 64, free=row)
+  with pytest.raises(ad.AdapterError, match="batch_size must be an integer or auto"):
+    _adapter(tiny_upstream_checkpoint, batch_size="big")
+
+
+def test_apply_chat_template(tiny_upstream_checkpoint, tasks):
+  from lca_jax.data.sft_format import chat_prompt_ids  # pylint: disable=g-import-not-at-top
+
+  lm = _adapter(tiny_upstream_checkpoint)
+  msgs = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "yo"},
+    {"role": "user", "content": "again"},
+  ]
+  text = lm.apply_chat_template(msgs)
+  assert text == "<|user|>\nhi\n<|assistant|>\nyo<eos>\n<|user|>\nagain\n<|assistant|>\n"
+  assert lm.tok_encode(text) == chat_prompt_ids(msgs).tolist()
+  open_reply = lm.apply_chat_template(msgs[:2], add_generation_prompt=False)
+  assert open_reply == "<|user|>\nhi\n<|assistant|>\nyo"
+  res = _evaluate(
+    "lca_jax",
+    f"checkpoint={tiny_upstream_checkpoint}",
+    ["tiny_gen"],
+    tasks,
+    apply_chat_template=True,
+  )
+  prompts = [s["arguments"][0][0] for s in res["samples"]["tiny_gen"]]
+  assert prompts and all(
+    p.startswith("<|user|>\n") and p.endswith("<|assistant|>\n") for p in prompts
+  )
