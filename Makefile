@@ -88,7 +88,7 @@ $(TPU_STAMP): $(STAMP)
 	touch $(TPU_STAMP)
 
 tpu-aot: $(TPU_STAMP)
-	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV_TPU)/bin/python -m pytest -q tests/test_tpu_aot.py; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV_TPU)/bin/python -m pytest -q tests/test_tpu_aot.py tests/test_tpu_kernel.py; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 	mkdir -p $(dir $(TPU_AOT_OUT))
 	$(VENV_TPU)/bin/python tools/tpu_aot.py --out $(TPU_AOT_OUT) $(TPU_AOT_ARGS)
 

@@ -2,7 +2,8 @@
 
 A few choices in the model and the decode engine depend on the backend that runs the program,
 each a function here that the model calls: Pallas kernels are interpreted on the CPU and
-lowered to Triton on GPUs (``pallas_interpret``), the blockwise attention runs one loop nest
+lowered to Triton on GPUs (``pallas_interpret``), the LCA attention kernel is the Mosaic one on
+TPUs (``tpu_attention_kernel``), the blockwise attention runs one loop nest
 per core on the CPU (``attention_threads``), the CPU runs a cached attention of a few columns
 as matrix-vector products (``matvec_cache_products``), a long decode block runs the latent LM
 at several widths on the CPU (``several_lm_widths``), GPUs decode with weights stored
@@ -57,6 +58,13 @@ def attention_threads() -> int:
 def pallas_interpret() -> bool:
   """Whether the Pallas kernels run in interpret mode (on the CPU) rather than through Triton."""
   return is_cpu()
+
+
+def tpu_attention_kernel() -> bool:
+  """Whether ``attention_impl="pallas"`` runs the LCA attention as the Mosaic kernels of
+  ``kernels.tpu_attention`` (on TPUs) rather than the Triton kernels of
+  ``kernels.lca_attention`` (on GPUs; interpreted on the CPU)."""
+  return platform() == "tpu"
 
 
 def matvec_cache_products(columns: int, max_columns: int) -> bool:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from lca_jax import backend
 from lca_jax.kernels import lca_attention
+from lca_jax.kernels.tpu_attention import lca_attention_tpu
 from lca_jax.model import boundaries as bnd
 from lca_jax.model import masks, pooling
 from lca_jax.model.attention import blockwise_attention
@@ -40,6 +41,8 @@ class MLPHead(nn.Module):
 
 
 def _pallas_kernel(group_BT, doc_BT):
+  if backend.tpu_attention_kernel():
+    return functools.partial(lca_attention_tpu, segment_ids=group_BT, doc_ids=doc_BT)
   interpret = backend.pallas_interpret()
   return functools.partial(
     lca_attention, segment_ids=group_BT, doc_ids=doc_BT, impl="pallas", interpret=interpret
