@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Optional
 
@@ -12,14 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lca_jax.decode import engine
+from lca_jax.decode import engine, weights
 from lca_jax.decode.engine import DecodeError
 from lca_jax.errors import LoadError
 from lca_jax.interop import upstream
 from lca_jax.interop.errors import CheckpointError
 from lca_jax.model.config import DTYPES, ConfigError, ModelConfig
 from lca_jax.model.hierarchical import ByteLM, init_params
-from lca_jax.model.layers import decode_weights
 from lca_jax.workdir import params as workdir_params
 
 __all__ = ["LoadError", "Model", "load", "load_upstream"]
@@ -49,8 +47,7 @@ class Model:
     half the bytes). Memory: the fused kernels are ~70% of each layer's weights more; with a
     bfloat16 ``cfg.dtype`` the whole tree is a bfloat16 copy beside the float32 params."""
     if self._decode_params is None or self._decode_params[0] is not self.params:
-      build = jax.jit(functools.partial(decode_weights, dtype=self.cfg.dtype))
-      self._decode_params = (self.params, build(self.params))
+      self._decode_params = (self.params, weights.build(self.params, self.cfg.dtype))
     return self._decode_params[1]
 
   def __repr__(self):

@@ -19,7 +19,7 @@ from conftest import assert_close_rel
 import lca_jax
 from lca_jax import backend, vocab
 from lca_jax.api import Model
-from lca_jax.decode import engine, policies, sampling
+from lca_jax.decode import engine, executables, policies, sampling
 from lca_jax.model import incremental, layers, masks, pooling
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.hierarchical import ByteLM, init_params
@@ -698,7 +698,7 @@ def test_executable_cache_is_bounded_lru():
   """The engine keeps at most ``capacity`` executables (each holds ~900 memory mappings of JIT
   code, out of vm.max_map_count); the least recently used goes first, and ``built`` counts
   every compilation, so compiled_count() still tells a caller that a call compiled."""
-  cache = engine._ExecutableCache(capacity=2)
+  cache = executables.ExecutableCache(capacity=2)
   built = []
 
   def get(sig):

@@ -4,9 +4,9 @@ official ``openai`` client (streaming and not) and with raw HTTP for bad request
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m pytest -q tests/test_serve.py
 
 Two servers of the session's tiny random LCA-MBP checkpoint: ``server`` (16 slots, a 512-byte
-context, warmed up) for answers, streaming, concurrency and disconnects; ``small`` (4 slots, a
-queue of 2, a 0.25 s request timeout, no warm-up, so a request that needs a compile outlives
-its timeout) for overload and timeouts.
+context, warmed up) for answers, log-probabilities, streaming, concurrency and disconnects;
+``small`` (4 slots, a queue of 2, a 0.25 s request timeout, no warm-up, so a request that
+needs a compile outlives its timeout, and an API key) for overload, timeouts and the key.
 """
 
 import concurrent.futures
@@ -26,11 +26,13 @@ pytest.importorskip("fastapi")
 import lca_jax
 from lca_jax import vocab
 from lca_jax.data.sft_format import chat_prompt_ids
+from lca_jax.decode.batch import GroupKey, RowParams, bucket_of, buckets
 from lca_jax.serve.process import ServerProcess, get_json
 from lca_jax.serve.scheduler import Job
-from lca_jax.serve.slots import GroupKey, RowParams, bucket_of, buckets
 
 CONTEXT = 512
+KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPTS = [
   "The hacker",
   "hello world, ",
@@ -52,7 +54,7 @@ def servers(tiny_upstream_checkpoint):
   small = ServerProcess(
     tiny_upstream_checkpoint,
     ["--context", "64", "--max-batch", "4", "--max-queue", "2", "--request-timeout", "0.25"]
-    + ["--no-warmup", "--model-name", "tiny"],
+    + ["--no-warmup", "--model-name", "tiny", "--api-key", KEY],
   )
   try:
     small.launch()
@@ -90,11 +92,16 @@ def client(srv, **kw):
   return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120, **kw)
 
 
-def metric(srv, name: str) -> float:
+def metric(srv, name: str, **labels) -> float:
+  """The sum of ``name``'s samples whose labels include ``labels``."""
   text = httpx.get(srv.url + "/metrics").text
-  m = re.search(rf"^{name} (\S+)$", text, re.M)
-  assert m, (name, text[:2000])
-  return float(m.group(1))
+  total, seen = 0.0, False
+  for m in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
+    have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+    if all(have.get(k) == v for k, v in labels.items()):
+      total, seen = total + float(m.group(2)), True
+  assert seen, (name, labels, text[:2000])
+  return total
 
 
 def wait_idle(srv, timeout=20.0):
@@ -216,12 +223,28 @@ def test_stop_strings(server):
 def test_job_holds_back_a_possible_stop_string():
   """A stop string split across steps is never sent in part."""
   events = []
-  job = Job(np.array([3]), GroupKey("ntp", 1, True), RowParams(10), ["abc"], events.append)
+  job = Job(np.array([3]), GroupKey("ntp", 1), RowParams(10), ["abc"], events.append)
   job.sink = lambda kind, data: events.append((kind, data))
   assert job.push(list(vocab.encode("xxab")), final=False) is None
-  assert events == [("delta", "xx")]
+  assert events == [("delta", ("xx", None))]
   assert job.push(list(vocab.encode("cyy")), final=False) == "stop"
-  assert events == [("delta", "xx")] and job.text == "xxab"[:2]
+  assert events == [("delta", ("xx", None))] and job.text == "xxab"[:2]
+  job.end("stop")  # usage counts the returned bytes only, not those past the stop string
+  assert events[-1][1]["completion_tokens"] == 2 and events[-1][1]["completion_bytes"] == 2
+
+
+def test_job_never_splits_a_character_or_its_logprobs():
+  """A 2-byte character pushed a byte at a time: its text, and its ids' log-probabilities,
+  go out once the character is whole."""
+  events = []
+  job = Job(np.array([3]), GroupKey("ntp", 1), RowParams(10), [], None, logprobs=0)
+  job.sink = lambda kind, data: events.append(data)
+  ids = list(vocab.encode("a\u00e9"))
+  entries = [("lp", i) for i in ids]  # stand-ins for TokenLogprob
+  job.push(ids[:2], final=False, lps=entries[:2])
+  assert events == [("a", entries[:1])]
+  job.push(ids[2:], final=True, lps=entries[2:])
+  assert events[1] == ("\u00e9", entries[1:])
 
 
 def test_seeded_sampling_is_reproducible(server):
@@ -287,9 +310,13 @@ def test_models_health_metrics(server):
     "lca_serve_generated_bytes_total",
     "lca_serve_bytes_per_second",
     "lca_serve_batch_occupancy",
-    "lca_serve_queue_length",
+    "lca_serve_requests_waiting",
+    "lca_serve_requests_running",
     "lca_serve_acceptance_rate",
     "lca_serve_time_to_first_byte_seconds_bucket",
+    "lca_serve_inter_byte_latency_seconds_bucket",
+    "lca_serve_e2e_latency_seconds_bucket",
+    "lca_serve_queue_time_seconds_bucket",
   ):
     assert name in text, name
 
@@ -313,7 +340,16 @@ BAD = [
   ({"prompt": "x", "n": 17}, 400, "n"),
   ({"prompt": "x", "stop": [""]}, 400, "stop"),
   ({"prompt": "x", "stream": "yes"}, 400, "stream"),
-  ({"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+  ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+  ({"prompt": "x", "logprobs": 1, "mode": "verify"}, 400, "logprobs"),
+  ({"prompt": "x", "logit_bias": {"65": 5}}, 400, "logit_bias"),
+  ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+  ({"prompt": "x", "suffix": "end"}, 400, "suffix"),
+  ({"prompt": "x", "best_of": 3}, 400, "best_of"),
+  ({"prompt": "x", "guided_json": {}}, 400, "guided_json"),
+  ({"prompt": "x", "seed": 2**64}, 400, "seed"),
+  ({"prompt": [3, 999999]}, 400, "prompt"),
+  ({"prompt": [[]]}, 400, "prompt"),
   ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
 ]
 
@@ -335,6 +371,9 @@ def test_bad_requests(server, body, status, param):
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "x"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
   ],
 )
 def test_bad_chat_requests(server, body, param):
@@ -356,7 +395,8 @@ def test_openai_client_sees_errors(server):
 
 
 def test_overload_answers_429(small):
-  r = httpx.post(small.url + "/v1/completions", json={"prompt": "x", "n": 3}, timeout=30)
+  body = {"prompt": "x", "n": 3}
+  r = httpx.post(small.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
   assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded"
   assert httpx.get(small.url + "/health").json()["status"] == "ok"
 
@@ -365,10 +405,11 @@ def test_request_timeout_ends_cleanly(small):
   """The first request of a mode compiles its programs (seconds), more than the 0.25 s timeout:
   a 504 error (non-streaming) or an error event then [DONE] (streaming); the server stays up."""
   body = {"prompt": "hello", "max_tokens": 20, "temperature": 0, "mode": "verify"}
-  r = httpx.post(small.url + "/v1/completions", json=body, timeout=60)
+  r = httpx.post(small.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
   assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
   body = {**body, "mode": "threshold", "stream": True}
-  with httpx.stream("POST", small.url + "/v1/completions", json=body, timeout=60) as s:
+  url = small.url + "/v1/completions"
+  with httpx.stream("POST", url, json=body, headers=AUTH, timeout=60) as s:
     lines = [x for x in s.iter_lines() if x.startswith("data: ")]
   assert json.loads(lines[-2][6:])["error"]["code"] == "timeout" and lines[-1] == "data: [DONE]"
   wait_idle(small)
@@ -390,3 +431,160 @@ def test_cli_bad_options(argv, needle):
   )
   assert p.returncode == 2 and needle in p.stderr
   assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def log_softmax_rows(model, ids) -> np.ndarray:
+  """log p(ids[t] | ids[:t]) for t >= 1 from the model's full forward (float64)."""
+  logits = model.forward(np.asarray(ids[:-1]))["ntp_logits"].astype(np.float64)
+  m = logits.max(-1, keepdims=True)
+  lp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+  return lp[np.arange(len(ids) - 1), np.asarray(ids[1:])]
+
+
+def test_logprobs_are_the_models(server, model):
+  """Greedy completion with logprobs: each returned byte's log-probability is the model's own
+  (full forward over prompt + generation), the best of its top list; byte tokens are named."""
+  prompt = PROMPTS[4]  # multi-byte UTF-8 characters
+  c = client(server)
+  r = c.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, logprobs=3)
+  ref = generate(model, prompt, max_bytes=24)
+  ch = r.choices[0]
+  assert ch.text == ref.texts[0]
+  lp = ch.logprobs
+  gen = [int(i) for i in ref.ids[0]]
+  assert len(lp.tokens) == len(gen) == r.usage.completion_tokens
+  ids = list(vocab.encode(prompt)) + gen
+  want = log_softmax_rows(model, ids)[-len(gen) :]
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(lp.token_logprobs, want, rtol=0, atol=1e-4 * scale)
+  for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    assert len(top) == 3 and max(top.values()) == pytest.approx(v, abs=1e-5 * scale)
+    assert tok in top
+  assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+  echo = c.completions.create(
+    model="tiny", prompt="\u00e9t\u00e9", max_tokens=0, echo=True, logprobs=1
+  )
+  assert echo.choices[0].logprobs.tokens[:3] == ["bytes:\\xc3", "bytes:\\xa9", "t"]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(server, model):
+  c = client(server)
+  prompts = [PROMPTS[0], PROMPTS[3]]
+  r = c.completions.create(model="tiny", prompt=prompts, max_tokens=0, echo=True, logprobs=2)
+  for prompt, ch in zip(prompts, sorted(r.choices, key=lambda x: x.index)):
+    ids = list(vocab.encode(prompt))
+    assert ch.text == prompt and ch.finish_reason == "length"
+    lp = ch.logprobs
+    assert lp.tokens == list(prompt) and lp.token_logprobs[0] is None
+    want = log_softmax_rows(model, ids)
+    np.testing.assert_allclose(lp.token_logprobs[1:], want, rtol=0, atol=1e-4 * np.abs(want).max())
+    assert lp.top_logprobs[0] is None and all(len(t) == 2 for t in lp.top_logprobs[1:])
+  assert r.usage.completion_tokens == 0
+  ids = [int(i) for i in vocab.encode("token ids")]  # lm-eval's local-completions sends ids
+  r = httpx.post(
+    server.url + "/v1/completions",
+    json={"prompt": [ids], "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0},
+    timeout=60,
+  ).json()
+  lp = r["choices"][0]["logprobs"]
+  assert len(lp["token_logprobs"]) == len(ids) + 1 and r["choices"][0]["text"].startswith("token")
+  np.testing.assert_allclose(lp["token_logprobs"][1:-1], log_softmax_rows(model, ids), atol=1e-3)
+
+
+def test_chat_logprobs_and_streamed_logprobs(server):
+  c = client(server)
+  msgs = [{"role": "user", "content": "hi"}]
+  r = c.chat.completions.create(
+    model="tiny", messages=msgs, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2
+  )
+  content = r.choices[0].logprobs.content
+  assert len(content) == r.usage.completion_tokens
+  for e in content:
+    assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+    assert e.bytes is None or len(e.bytes) == 1
+  full = c.completions.create(
+    model="tiny", prompt=PROMPTS[4], max_tokens=30, temperature=0, logprobs=0
+  )
+  stream = c.completions.create(
+    model="tiny", prompt=PROMPTS[4], max_tokens=30, temperature=0, logprobs=0, stream=True
+  )
+  toks, lps = [], []
+  for chunk in stream:
+    for ch in chunk.choices:
+      if ch.logprobs is not None:
+        toks += ch.logprobs.tokens
+        lps += ch.logprobs.token_logprobs
+  assert toks == full.choices[0].logprobs.tokens
+  np.testing.assert_allclose(lps, full.choices[0].logprobs.token_logprobs, atol=1e-6)
+  assert all(t == {} for t in full.choices[0].logprobs.top_logprobs)
+
+
+def test_stop_counts_only_returned_bytes(server):
+  c = client(server)
+  full = c.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=80, temperature=0)
+  text = full.choices[0].text
+  stop = text[10:13]
+  want = text[: text.find(stop)]
+  r = c.completions.create(
+    model="tiny", prompt=PROMPTS[3], max_tokens=80, temperature=0, stop=stop, logprobs=0
+  )
+  assert r.choices[0].text == want
+  assert r.usage.completion_tokens == len(want.encode()) == len(r.choices[0].logprobs.tokens)
+
+
+def test_greedy_and_sampled_requests_together(server, model):
+  """Greedy and sampled (temperature 1, OpenAI's default) requests at once: the greedy answers
+  equal generate's, the seeded sampled ones their answer alone; nothing is compiled (the
+  sampled program was warmed up at start)."""
+  c = client(server)
+  compiles = metric(server, "lca_serve_compiles_total")
+  kw = dict(model="tiny", max_tokens=24)
+  alone = c.completions.create(prompt=PROMPTS[1], seed=5, **kw).choices[0].text
+
+  def ask(i):
+    if i % 2:
+      return c.completions.create(prompt=PROMPTS[1], seed=5, **kw).choices[0].text
+    return c.completions.create(prompt=PROMPTS[i % 3], temperature=0, **kw).choices[0].text
+
+  with concurrent.futures.ThreadPoolExecutor(8) as ex:
+    out = list(ex.map(ask, range(8)))
+  for i, text in enumerate(out):
+    want = alone if i % 2 else generate(model, PROMPTS[i % 3], max_bytes=24).texts[0]
+    assert text == want, i
+  assert metric(server, "lca_serve_compiles_total") == compiles
+
+
+def test_tokenize_detokenize(server):
+  r = httpx.post(server.url + "/tokenize", json={"prompt": "h\u00e9"}).json()
+  assert r["tokens"] == [int(i) for i in vocab.encode("h\u00e9")] and r["count"] == 3
+  assert r["max_model_len"] == CONTEXT
+  r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+  want = chat_prompt_ids([{"role": "user", "content": "hi"}])
+  assert r.json()["tokens"] == [int(i) for i in want]
+  back = httpx.post(server.url + "/detokenize", json={"tokens": r.json()["tokens"][:3]}).json()
+  assert back["prompt"] == vocab.decode(want[:3], specials="render")
+  for path, body in (("/tokenize", {"text": "x"}), ("/detokenize", {"tokens": [-1]})):
+    assert httpx.post(server.url + path, json=body).status_code == 400
+
+
+def test_requests_are_counted_once(server):
+  ok = metric(server, "lca_serve_requests_total", endpoint="completions", status="200")
+  bad = metric(server, "lca_serve_requests_total", endpoint="completions", status="400")
+  client(server).completions.create(model="tiny", prompt="a", max_tokens=3, temperature=0)
+  httpx.post(server.url + "/v1/completions", json={"prompt": ""})
+  assert metric(server, "lca_serve_requests_total", endpoint="completions", status="200") == ok + 1
+  assert metric(server, "lca_serve_requests_total", endpoint="completions", status="400") == bad + 1
+  assert metric(server, "lca_serve_e2e_latency_seconds_count") >= 1
+  assert metric(server, "lca_serve_generated_bytes_total", mode="ntp") > 0
+
+
+def test_api_key(small):
+  r = httpx.post(small.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+  assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+  wrong = {"Authorization": "Bearer nope"}
+  assert httpx.get(small.url + "/v1/models", headers=wrong).status_code == 401
+  assert httpx.get(small.url + "/health").status_code == 200  # open: probes and scrapers
+  with pytest.raises(openai.AuthenticationError):
+    client(small).models.list()
+  models = openai.OpenAI(base_url=small.url + "/v1", api_key=KEY, max_retries=0).models.list()
+  assert [m.id for m in models] == ["tiny"]

@@ -92,8 +92,9 @@ def _read_prompts(args) -> List[Union[str, bytes]]:
 
 
 def _prompt_ids(prompt) -> list:
-  ids = vocab.encode(prompt) if isinstance(prompt, str) else vocab.encode_bytes(prompt)
-  return ids.tolist()
+  from lca_jax.decode import request  # pylint: disable=g-import-not-at-top
+
+  return request.encode_prompts([prompt])[0].tolist()
 
 
 def _shown(prompt) -> str:
@@ -156,12 +157,12 @@ _OPTIONS = ("n", "tau", "max_bytes", "temperature", "top_k", "top_p", "seed")
 def _main(args) -> int:
   # deferred: jax, flax and the model take seconds to import, which --help and usage errors skip
   from lca_jax import api, xla_cache  # pylint: disable=g-import-not-at-top
-  from lca_jax.decode import engine  # pylint: disable=g-import-not-at-top
+  from lca_jax.decode import request  # pylint: disable=g-import-not-at-top
 
   xla_cache.enable()  # before anything compiles (LCA_JAX_XLA_CACHE)
   prompts = _read_prompts(args)
   try:  # before the (slow) load; the messages are rewritten to name the CLI options
-    engine.check_options(
+    request.check_options(
       args.mode,
       tau=args.tau,
       n=args.n,
@@ -171,7 +172,7 @@ def _main(args) -> int:
       top_p=args.top_p,
       seed=args.seed,
     )
-  except engine.DecodeError as e:
+  except request.DecodeError as e:
     fail(option_message(str(e), _OPTIONS))
   if args.mode == "drafter" and not args.drafter:
     fail("--mode drafter needs --drafter DIR")

@@ -5,16 +5,19 @@
         -d '{"prompt": "The hacker", "max_tokens": 64, "temperature": 0}'
 
 Endpoints: POST /v1/completions and /v1/chat/completions (the checkpoint's SFT chat format;
-``stream: true`` for server-sent events), GET /v1/models, /health, /metrics (Prometheus).
+``stream: true`` for server-sent events; ``logprobs``, ``echo``), POST /tokenize and
+/detokenize, GET /v1/models, /health, /metrics (Prometheus). With --api-key KEY every path but
+/health and /metrics needs ``Authorization: Bearer KEY`` (401 without).
 Tokens are byte ids (``max_tokens`` counts bytes, and eos). lca extras in a request body: ``mode`` (ntp |
 threshold | verify), ``tau``, ``mbp_n``, ``top_k``, ``ignore_eos``. Up to --max-batch requests
 decode together; a new one joins the running batch between decode chunks of --chunk-steps
 steps, and a finished or cancelled one leaves it at once. Requests beyond the slots wait in a
 queue of --max-queue choices; past that the server answers 429. Every request has a
 --context of bytes for prompt + generation (default: the model's max_seq_len, at most 1024; a
-longer context makes every step read a longer cache). At start it compiles greedy ntp for
-every prompt bucket (--no-warmup skips it); other modes compile on their first request. Bad
-options: one line on stderr, exit status 2.
+longer context makes every step read a longer cache). Greedy and sampled requests of one mode
+decode in one batch. At start it compiles ntp, greedy and sampled (OpenAI's default
+temperature 1), for every prompt bucket (--no-warmup skips it); other modes compile on their
+first request. Bad options: one line on stderr, exit status 2.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--model-name", help="the model id clients name (default: the directory name)")
   p.add_argument("--max-groups", type=int, default=4, help="batches of distinct modes at once")
   p.add_argument("--no-warmup", action="store_true", help="compile on first use instead")
+  p.add_argument(
+    "--api-key", default="", help="the key clients send as 'Authorization: Bearer KEY'"
+  )
   p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
   add_dtype_option(p, "serve")
   return p
@@ -84,11 +90,11 @@ def _main(args) -> int:
   import uvicorn  # pylint: disable=g-import-not-at-top
 
   from lca_jax import api, xla_cache  # pylint: disable=g-import-not-at-top
-  from lca_jax.decode.engine import MAX_N  # pylint: disable=g-import-not-at-top
+  from lca_jax.decode.batch import GroupKey  # pylint: disable=g-import-not-at-top
+  from lca_jax.decode.request import MAX_N  # pylint: disable=g-import-not-at-top
   from lca_jax.serve.app import create_app  # pylint: disable=g-import-not-at-top
   from lca_jax.serve.scheduler import Scheduler  # pylint: disable=g-import-not-at-top
   from lca_jax.serve.schema import ModelInfo  # pylint: disable=g-import-not-at-top
-  from lca_jax.serve.slots import GroupKey  # pylint: disable=g-import-not-at-top
 
   xla_cache.enable()
   model = api.load(args.checkpoint, dtype=args.dtype)
@@ -103,14 +109,15 @@ def _main(args) -> int:
     has_mbp=cfg.has_mbp,
     max_n=cfg.n_mlp_mbp + 1 if cfg.n_mlp_mbp else MAX_N,
     max_choices=args.max_batch,
+    n_tokens=cfg.n_tokens,
   )
   max_queue = 4 * args.max_batch if args.max_queue is None else args.max_queue
   sched = Scheduler(model, args.max_batch, context, args.chunk_steps, max_queue, args.max_groups)
   if not args.no_warmup:
-    print("lca-serve: compiling greedy ntp (warm-up)", file=sys.stderr, flush=True)
-    sched.warm(GroupKey("ntp", 1, True))
+    print("lca-serve: compiling ntp, greedy and sampled (warm-up)", file=sys.stderr, flush=True)
+    sched.warm(GroupKey("ntp", 1))
   sched.start()
-  app = create_app(sched, info, args.request_timeout)
+  app = create_app(sched, info, args.request_timeout, args.api_key)
   config = uvicorn.Config(
     app, host=args.host, port=args.port, log_level=args.log_level, access_log=False
   )

@@ -1,32 +1,37 @@
-"""A fixed-size batch of decode slots: prefill one request into a free slot, then decode every
-slot a chunk of steps at a time (the server's continuous batching, ``serve.scheduler``).
+"""A fixed-size batch of decode slots: prefill a request into a free slot, then decode every
+slot a chunk of steps at a time (what the server's continuous batching drives,
+``serve.scheduler``).
 
-The decode engine (``decode.engine``) runs a whole ``generate`` call as one ``while_loop`` over
-one batch; here the same pieces run a batch whose rows come and go: ``admit`` prefills one
-prompt (``incremental.prefill``) and writes its caches into row ``i`` of the batch's caches
-(``Slots.st``), and ``decode`` runs up to K steps of the mode's policy (``decode.policies``:
-``propose`` / ``commit``) for every row at once, recording each step's bytes. Rows are
-independent: each has its own byte budget, eos handling, step counter and PRNG key (so a
-seeded request draws the same bytes whichever slot and batch it lands in), temperature,
-top-k, top-p and tau. What is static, and so one batch per value: the mode, ``n`` and greedy
-or sampled (``GroupKey``). A chunk decodes only the first w slots, w the smallest of
-``widths(B)`` (1, 2, 4, ..., B) that holds every active row (the scheduler fills the lowest
-free slot first): one request alone steps a batch of 1, not of B, whose caches every step
-would read. Likewise it reads only the first quarter of the caches (``spans``) while every
-active row fits there after the chunk (the cache fields cut to that length: a smaller cache of
-the same rows), so short requests on a long context step as fast as on a short one. Shapes are
-fixed: B slots, a cache of ``length`` bytes for every row, prompts padded to a power-of-two
-bucket; so after one compile per (group, bucket, rows) for ``admit`` and one per (group, width,
-span) for ``decode``, no request compiles anything.
+``engine`` runs a whole ``generate`` call as one ``while_loop`` over one batch; here the same
+step (``step.advance``: propose, per-row cut, commit, count) runs a batch whose rows come and
+go: ``admit`` prefills prompts (``incremental.prefill``) and writes their caches into rows of
+the batch's caches (``Slots.st``), and ``decode`` runs up to K steps for every row at once,
+recording each step's bytes. Rows are independent: each has its own byte budget, eos
+handling, step counter and PRNG key (so a seeded request draws the same bytes whichever slot
+and batch it lands in), temperature, top-k, top-p, tau and greedy or sampled: a greedy row in
+a chunk that also samples takes the argmax of the raw logits, as a greedy program does
+(``SamplingParams.greedy``), so greedy and sampled requests share a batch. What is static, and
+so one batch per value: the mode and ``n`` (``GroupKey``). A chunk whose active rows are all
+greedy runs the greedy program (no draws), any other the sampled one; a chunk with a row that
+asked for log-probabilities (ntp only) records each committed byte's log-probability and the
+``TOP_LOGPROBS`` most likely bytes of its step (of the raw logits).
+
+A chunk decodes only the first w slots, w the smallest of ``widths(B)`` (1, 2, 4, ..., B) that
+holds every active row (the scheduler fills the lowest free slot first): one request alone
+steps a batch of 1, not of B, whose caches every step would read. Likewise it reads only the
+first quarter of the caches (``spans``) while every active row fits there after the chunk (the
+cache fields cut to that length: a smaller cache of the same rows), so short requests on a long
+context step as fast as on a short one. Shapes are fixed: B slots, a cache of ``length`` bytes
+for every row, prompts padded to a power-of-two bucket; so after one compile per (bucket, rows)
+for ``admit`` and one per (width, span, program) for ``decode``, no request compiles anything.
 
 Shapes: B slots, w decoded slots, L cache bytes, P padded prompt, K steps per chunk, W bytes fed
-per step.
+per step, T the ``TOP_LOGPROBS`` alternatives.
 """
 
 from __future__ import annotations
 
-import time
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import flax.struct
 import jax
@@ -34,9 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from lca_jax import vocab
-from lca_jax.decode import engine
+from lca_jax.decode import weights
+from lca_jax.decode.executables import ExecutableCache
 from lca_jax.decode.policies import POLICIES, Ctx, LoopState, Plan
+from lca_jax.decode.request import seed_key_words
 from lca_jax.decode.sampling import SamplingParams
+from lca_jax.decode.step import advance
 from lca_jax.model import incremental
 from lca_jax.model.incremental import DecodeState
 from lca_jax.model.kv_cache import KVCache
@@ -44,6 +52,7 @@ from lca_jax.model.kv_cache import KVCache
 MIN_BUCKET = 16  # the shortest padded prompt
 ADMIT_ROWS = (1, 4)  # prompts one prefill takes (padded with dropped rows)
 SPAN_FROM = 256  # caches of this many slots or more may be read a quarter at a time
+TOP_LOGPROBS = 20  # most likely bytes a log-probability chunk records per step
 
 
 class GroupKey(NamedTuple):
@@ -51,7 +60,6 @@ class GroupKey(NamedTuple):
 
   mode: str
   n: int  # bytes proposed per step (1 in ntp)
-  greedy: bool
 
 
 @flax.struct.dataclass
@@ -68,6 +76,7 @@ class Slots:
   key: jax.Array  # [B, 2] uint32 the row's PRNG key
   tau: jax.Array  # [B] float32
   temperature: jax.Array  # [B] float32 (> 0; unused when greedy)
+  greedy: jax.Array  # [B] bool the row decodes greedily
   top_k: jax.Array  # [B] int32
   top_p: jax.Array  # [B] float32
   n_cand: jax.Array  # [B] int32 candidates proposed
@@ -81,9 +90,10 @@ class RowParams(NamedTuple):
   ignore_eos: bool = False
   seed: int = 0
   tau: float = 0.9
-  temperature: float = 0.0
+  temperature: float = 0.0  # 0: greedy
   top_k: int = 0
   top_p: float = 1.0
+  logprobs: bool = False  # record each byte's log-probability (ntp only)
 
 
 class Chunk(NamedTuple):
@@ -96,6 +106,11 @@ class Chunk(NamedTuple):
   n_cand_w: np.ndarray
   n_acc_w: np.ndarray
   steps: int  # steps run (K, or fewer when every row finished)
+  # with a row that asked for them (else None): the log-probability of each step's byte
+  # [K, w] and the step's TOP_LOGPROBS most likely bytes [K, w, T] (ids, log-probabilities)
+  lp_Kw: Optional[np.ndarray] = None
+  top_ids_KwT: Optional[np.ndarray] = None
+  top_lp_KwT: Optional[np.ndarray] = None
 
   @property
   def width(self) -> int:
@@ -153,59 +168,45 @@ def bucket_of(n: int, context: int) -> int:
   return next(b for b in buckets(context) if b >= n)
 
 
-def _cut(d_BW, a_B, s: Slots):
-  """Each row's accepted bytes cut at eos (unless the row ignores it) and at its budget (the
-  engine's ``_finalize`` with per-row eos handling and budgets)."""
-  a = jnp.where(s.done, 0, a_B)
-  is_eos = (d_BW == vocab.EOS_ID) & (jnp.arange(d_BW.shape[1])[None] < a[:, None])
-  is_eos = is_eos & ~s.ignore_eos[:, None]
-  hit = jnp.any(is_eos, axis=1)
-  a = jnp.where(hit, jnp.argmax(is_eos, axis=1) + 1, a)
-  a = jnp.minimum(a, s.budget - s.gen)
-  return a, s.done | hit | (s.gen + a >= s.budget)
-
-
 class SlotBatch:
   """B slots of one ``GroupKey`` on one model, with a context of ``context`` bytes (prompt +
-  generation per row; at most the model's ``max_seq_len``)."""
+  generation per row; at most the model's ``max_seq_len``). ``on_compile(group, name,
+  seconds)`` is called after each program it compiles."""
 
   def __init__(self, model, group: GroupKey, batch: int, context: int, on_compile=None):
     self.model, self.group, self.batch, self.context = model, group, batch, context
     cfg = model.cfg
     policy = POLICIES[group.mode]
     source = ("mlp" if cfg.n_mlp_mbp else "lca") if policy.multi_byte else ""
-    # capacity is unused here (no per-step arrays; budgets are per row)
-    self.plan = Plan(group.mode, group.n, group.greedy, False, context, source)
+    # the greedy and the sampled program (capacity is unused here: budgets are per row)
+    self.plans = {g: Plan(group.mode, group.n, g, False, context, source) for g in (True, False)}
+    self.plan = self.plans[True]
     self.length = max(buckets(context)[-1], context) + 2 * self.plan.width + 1
     self.on_compile = on_compile
-    self._exe = {}
-    self.params = engine._params_of(model, self.plan)  # pylint: disable=protected-access
+    n_programs = len(buckets(context)) * len(ADMIT_ROWS) + 4 * len(widths(batch)) * 2 + 1
+    self._exe = ExecutableCache(capacity=n_programs)
+    self.params = weights.for_model(model, self.plan)
     self.slots = self._empty()
     self._lengths = np.zeros((batch,), np.int64)  # each slot's committed bytes (host copy)
+    self._greedy = np.ones((batch,), bool)  # each slot's request is greedy (host copy)
+    self._logprobs = np.zeros((batch,), bool)  # ... asked for log-probabilities
 
   # ---- programs ----------------------------------------------------------------------------
   def _compiled(self, name, fn, args, donate=()):
-    if name not in self._exe:
-      t0 = time.perf_counter()
-      lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
-      self._exe[name] = engine.compile_lowered(lowered)
-      if self.on_compile is not None:
-        self.on_compile(self.group, name, time.perf_counter() - t0)
-    return self._exe[name]
+    report = None
+    if self.on_compile is not None:
+      report = lambda seconds: self.on_compile(self.group, name, seconds)
+    return self._exe.jit(name, fn, args, donate, report).exe
 
-  def _ctx(self, params, s: Slots) -> Ctx:
-    cfg = self.model.cfg
-    p = engine._decode_params(self.plan, params, cfg.dtype)  # pylint: disable=protected-access
-    sp = SamplingParams(s.temperature, s.top_k, s.top_p)
-    return Ctx(cfg, None, p, None, self.plan, s.tau[:, None], s.budget, sp)
+  def _weights(self, params):
+    return weights.in_program(self.plan, params, self.model.cfg.dtype)
 
   def _empty(self) -> Slots:
     cfg, plan, b = self.model.cfg, self.plan, self.batch
 
     def build(params):
-      p = engine._decode_params(plan, params, cfg.dtype)  # pylint: disable=protected-access
       st = incremental.init_state(
-        cfg, p, b, self.length, plan.policy.target_mbp, plan.copies_in_extend
+        cfg, self._weights(params), b, self.length, plan.policy.target_mbp, plan.copies_in_extend
       )
       zi, zf = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.float32)
       return Slots(
@@ -219,6 +220,7 @@ class SlotBatch:
         key=jnp.zeros((b, 2), jnp.uint32),
         tau=zf,
         temperature=zf + 1.0,
+        greedy=jnp.ones((b,), bool),
         top_k=zi,
         top_p=zf + 1.0,
         n_cand=zi,
@@ -229,9 +231,14 @@ class SlotBatch:
 
   def _admit_fn(self, params, s: Slots, idx_m, prompt_mP, plen_m, rows):
     cfg, plan = self.model.cfg, self.plan
-    p = engine._decode_params(plan, params, cfg.dtype)  # pylint: disable=protected-access
     st_m = incremental.prefill(
-      cfg, p, prompt_mP, plen_m, self.length, plan.policy.target_mbp, plan.copies_in_extend
+      cfg,
+      self._weights(params),
+      prompt_mP,
+      plen_m,
+      self.length,
+      plan.policy.target_mbp,
+      plan.copies_in_extend,
     )
     # rows of idx B (padding) fall outside the batch and are dropped
     at = lambda x, v: x.at[idx_m].set(jnp.asarray(v).astype(x.dtype), mode="drop")
@@ -248,28 +255,38 @@ class SlotBatch:
       key=at(s.key, key),
       tau=at(s.tau, tau),
       temperature=at(s.temperature, jnp.maximum(temperature, 1e-6)),
+      greedy=at(s.greedy, temperature == 0),
       top_k=at(s.top_k, top_k),
       top_p=at(s.top_p, top_p),
       n_cand=at(s.n_cand, 0),
       n_acc=at(s.n_acc, 0),
     )
 
-  def _decode_fn(self, k_steps, width, span, params, s_all: Slots, active_w):
-    plan = self.plan
-    policy = plan.policy
+  def _decode_fn(self, k_steps, width, span, greedy, top, params, s_all: Slots, active_w):
+    """Up to ``k_steps`` steps of the first ``width`` slots over the first ``span`` bytes of
+    their caches; ``greedy``: the greedy program (every active row greedy); ``top``: record
+    log-probabilities and the ``top`` most likely bytes of each step (0: none)."""
+    plan = self.plans[greedy]
     w = plan.width
     s = jax.tree_util.tree_map(lambda x: x[:width], s_all)  # the first ``width`` slots
     if span < self.length:  # ... and the first ``span`` bytes of their caches
       cut = lambda x, axis, n: jax.lax.slice_in_dim(x, 0, n, axis=axis)
       s = s.replace(st=_span_view(s.st, span, cut))
     s = s.replace(done=s.done | ~active_w)
-    ctx = self._ctx(params, s)
-    d0 = jnp.zeros((k_steps, width, w), jnp.int32)
-    a0 = jnp.zeros((k_steps, width), jnp.int32)
+    sp = SamplingParams(s.temperature, s.top_k, s.top_p, None if greedy else s.greedy)
+    ctx = Ctx(self.model.cfg, None, self._weights(params), None, plan, s.tau[:, None], s.budget, sp)
+    t = max(top, 1)
+    out0 = (
+      jnp.zeros((k_steps, width, w), jnp.int32),
+      jnp.zeros((k_steps, width), jnp.int32),
+      jnp.zeros((k_steps, width), jnp.float32),
+      jnp.zeros((k_steps, width, t), jnp.int32),
+      jnp.zeros((k_steps, width, t), jnp.float32),
+    )
 
     def body(c):
-      i, s, d_KwW, a_Kw = c
-      if plan.greedy:  # no draw: one unused key for the batch
+      i, s, out = c
+      if greedy:  # no draw: one unused key for the batch
         k_draft = k_acc = jax.random.PRNGKey(0)
       else:
         ks = jax.vmap(lambda k, t: jax.random.split(jax.random.fold_in(k, t)))(s.key, s.step)
@@ -287,26 +304,30 @@ class SlotBatch:
         n_acc=s.n_acc,
         closed0=None,
       )
-      prop = policy.propose(ctx, loop, k_draft, k_acc)
-      a, done = _cut(prop.d_BK, prop.a_B, s)
-      nxt = policy.commit(ctx, loop, prop, a, done)
-      acc = jnp.maximum(a - policy.head_bytes, 0)
+      raw = jax.nn.log_softmax(s.st.last_nt.astype(jnp.float32), axis=-1) if top else None
+      nxt, prop, a = advance(ctx, loop, k_draft, k_acc, s.ignore_eos)
+      step = (prop.d_BK, a)
+      if top:  # ntp: one byte per step, drawn from ``last_nt``
+        lp = jnp.take_along_axis(raw, prop.d_BK[:, :1], axis=-1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(raw, top)
+        step += (lp, top_ids.astype(jnp.int32), top_lp)
+      out = tuple(o.at[i].set(v) for o, v in zip(out, step)) + out[len(step) :]
       s = s.replace(
         st=nxt.st,
         pending=nxt.pending,
-        done=done,
-        gen=s.gen + a,
+        done=nxt.done,
+        gen=nxt.gen,
         step=s.step + (~s.done).astype(jnp.int32),
-        n_cand=s.n_cand + prop.n_cand_B,
-        n_acc=s.n_acc + jnp.where(prop.n_cand_B > 0, acc, 0),
+        n_cand=nxt.n_cand,
+        n_acc=nxt.n_acc,
       )
-      return i + 1, s, d_KwW.at[i].set(prop.d_BK), a_Kw.at[i].set(a)
+      return i + 1, s, out
 
     cond = lambda c: (c[0] < k_steps) & jnp.any(~c[1].done)
-    i, s, d_KwW, a_Kw = jax.lax.while_loop(cond, body, (jnp.int32(0), s, d0, a0))
+    i, s, out = jax.lax.while_loop(cond, body, (jnp.int32(0), s, out0))
     put = lambda full, part: jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
     s_all = jax.tree_util.tree_map(put, s_all, s)
-    return s_all, (d_KwW, a_Kw, s.done, s.n_cand, s.n_acc, i)
+    return s_all, (out, s.done, s.n_cand, s.n_acc, i)
 
   # ---- host API ----------------------------------------------------------------------------
   def admit(self, i: int, prompt_ids: np.ndarray, row: RowParams):
@@ -335,11 +356,12 @@ class SlotBatch:
       prompt[r, : ids.size] = ids
       plen[r], idx[r], rows[r] = ids.size, i, row
       self._lengths[i] = ids.size
-    seeds = [int(x.seed) & (2**64 - 1) for x in rows]  # a PRNG key takes any 64-bit integer
+      self._greedy[i] = row.temperature == 0
+      self._logprobs[i] = row.logprobs
     vals = (
       np.array([x.budget for x in rows], np.int32),
       np.array([x.ignore_eos for x in rows], bool),
-      np.array([[v >> 32, v & 0xFFFFFFFF] for v in seeds], np.uint32),
+      np.stack([seed_key_words(x.seed) for x in rows]),
       np.array([x.tau for x in rows], np.float32),
       np.array([x.temperature for x in rows], np.float32),
       np.array([x.top_k for x in rows], np.int32),
@@ -349,10 +371,19 @@ class SlotBatch:
     exe = self._compiled(("admit", bucket, m), self._admit_fn, args, donate=(1,))
     self.slots = exe(*args)
 
-  def decode(self, k_steps: int, active_B: np.ndarray, width: int = 0, span: int = 0) -> Chunk:
+  def decode(
+    self,
+    k_steps: int,
+    active_B: np.ndarray,
+    width: int = 0,
+    span: int = 0,
+    greedy: Optional[bool] = None,
+    logprobs: Optional[bool] = None,
+  ) -> Chunk:
     """Up to ``k_steps`` steps of every active slot (``active_B``; the others stop at once),
     decoding the first ``width`` slots (one of ``widths``) over the first ``span`` bytes of
-    their caches (one of ``spans``); 0: the least that holds them."""
+    their caches (one of ``spans``); 0: the least that holds them. ``greedy`` (the greedy
+    program) and ``logprobs`` (record log-probabilities): None, from the active rows."""
     active_B = np.asarray(active_B, bool)
     if not width:
       last = int(np.flatnonzero(active_B)[-1]) + 1 if active_B.any() else 1
@@ -361,25 +392,36 @@ class SlotBatch:
       w = self.plan.width
       need = int(np.max(self._lengths[active_B], initial=0)) + k_steps * w + 2 * w + 1
       span = next(n for n in spans(self.length) if n >= need)
+    if greedy is None:
+      greedy = bool(np.all(self._greedy[active_B]))
+    if logprobs is None:
+      logprobs = bool(np.any(self._logprobs[active_B]))
+    if logprobs and self.group.mode != "ntp":
+      raise ValueError("log-probabilities are recorded in ntp mode only")
+    top = TOP_LOGPROBS if logprobs else 0
     args = (self.params, self.slots, active_B[:width])
-    fn = lambda *a: self._decode_fn(k_steps, width, span, *a)
-    exe = self._compiled(("decode", k_steps, width, span), fn, args, donate=(1,))
+    fn = lambda *a: self._decode_fn(k_steps, width, span, greedy, top, *a)
+    exe = self._compiled(("decode", k_steps, width, span, greedy, top), fn, args, donate=(1,))
     self.slots, out = exe(*args)
-    d, a, done, n_cand, n_acc, steps = jax.device_get(out)
+    (d, a, lp, top_ids, top_lp), done, n_cand, n_acc, steps = jax.device_get(out)
     self._lengths[:width] += a.sum(axis=0)
-    return Chunk(d, a, done, n_cand, n_acc, int(steps))
+    if not top:
+      lp = top_ids = top_lp = None
+    return Chunk(d, a, done, n_cand, n_acc, int(steps), lp, top_ids, top_lp)
 
-  def warm(self, k_steps: int):
-    """Compile ``admit`` for every prompt bucket and ``decode`` for every width and span
-    (nothing is decoded: the admitted rows are never activated)."""
+  def warm(self, k_steps: int, sampled: bool = True):
+    """Compile ``admit`` for every prompt bucket and ``decode`` for every width and span, the
+    greedy program and (``sampled``) the sampled one (nothing is decoded: the admitted rows
+    are never activated)."""
     for b in buckets(self.context):
       ids = np.full((min(b, self.context - 1),), vocab.BYTE_OFFSET, np.int32)
       for m in ADMIT_ROWS:
         self._admit_rows(b, m, [(0, ids, RowParams(1))])
-    for w in widths(self.batch):
-      for n in spans(self.length):
-        self.decode(k_steps, np.zeros((self.batch,), bool), w, n)
+    for greedy in (True, False) if sampled else (True,):
+      for w in widths(self.batch):
+        for n in spans(self.length):
+          self.decode(k_steps, np.zeros((self.batch,), bool), w, n, greedy, False)
 
   @property
   def compiled(self) -> int:
-    return len(self._exe)
+    return self._exe.built

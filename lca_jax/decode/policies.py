@@ -27,7 +27,14 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from lca_jax.decode.sampling import SamplingParams, choose, log_probs, speculative_accept, split2
+from lca_jax.decode.sampling import (
+  SamplingParams,
+  choose,
+  log_probs,
+  row_greedy,
+  speculative_accept,
+  split2,
+)
 from lca_jax.model import incremental
 from lca_jax.model.config import ModelConfig
 from lca_jax.model.incremental import DecodeState
@@ -241,12 +248,12 @@ class Verify(Policy):
     st_x, out = incremental.extend(ctx.cfg, ctx.params, loop.st, d, full, True)
     check = out["nt_logits"][:, : plan.n - 1]  # position t+1+i predicts d_{i+2}
     pending = jnp.full_like(loop.pending, -1)
-    if plan.greedy:
-      a = 1 + leading(d[:, 1:] == jnp.argmax(check, axis=-1))
-    else:
+    a = 1 + leading(d[:, 1:] == jnp.argmax(check, axis=-1))
+    if not plan.greedy:  # speculative sampling, except in the rows that decode greedily
       n_acc, repl = speculative_accept(d[:, 1:], lq[:, 1:], log_probs(check, ctx.sp), k_acc)
-      a = 1 + n_acc
-      pending = jnp.where(n_acc < plan.n - 1, repl, -1)
+      g = row_greedy(ctx.sp, a.shape)
+      a = jnp.where(g, a, 1 + n_acc)
+      pending = jnp.where(~g & (n_acc < plan.n - 1), repl, -1)
     return Proposal(d, a, _idle(loop, plan.n - 1), pending, (st_x, out))
 
   def commit(self, ctx, loop, prop, a_B, done_B):
@@ -273,16 +280,17 @@ class Drafter(Policy):
     full = jnp.full_like(loop.pending, width)
     st_x, out = incremental.extend(ctx.cfg, ctx.params, st, d, full, False)
     target = jnp.concatenate([st.last_nt[:, None], out["nt_logits"]], axis=1)  # [B, n+1, V]
-    if plan.greedy:
-      best = jnp.argmax(target, axis=-1).astype(jnp.int32)
-      a = leading(d == best[:, :width])
-      bonus = jnp.take_along_axis(best, a[:, None], 1)[:, 0]
-    else:
+    best = jnp.argmax(target, axis=-1).astype(jnp.int32)
+    a = leading(d == best[:, :width])
+    bonus = jnp.take_along_axis(best, a[:, None], 1)[:, 0]
+    if not plan.greedy:  # speculative sampling, except in the rows that decode greedily
       lp = log_probs(target, ctx.sp)
       lq = lq.at[:, 0].set(jnp.where(forced[:, None], lp[:, 0], lq[:, 0]))
-      a, repl = speculative_accept(d, lq, lp[:, :width], k_acc)
+      a_s, repl = speculative_accept(d, lq, lp[:, :width], k_acc)
       tail = jax.random.categorical(jax.random.fold_in(k_acc, 1), lp[:, width]).astype(jnp.int32)
-      bonus = jnp.where(a < width, repl, tail)
+      g = row_greedy(ctx.sp, a.shape)
+      bonus = jnp.where(g, bonus, jnp.where(a_s < width, repl, tail))
+      a = jnp.where(g, a, a_s)
     return Proposal(d, a, _idle(loop, width), bonus, (st_x, out))
 
   def commit(self, ctx, loop, prop, a_B, done_B):

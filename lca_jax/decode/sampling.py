@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,10 @@ class SamplingParams(NamedTuple):
   temperature: jax.Array  # > 0 (ignored when greedy)
   top_k: jax.Array  # int32, 0 = off
   top_p: jax.Array  # float32, 1.0 = off
+  # [B] bool, in a sampled program only: the rows that decode greedily (argmax of the raw
+  # logits, as a greedy program does), so that greedy and sampled requests share one batch;
+  # None: every row samples
+  greedy: Any = None
 
 
 def _per_row(v, ndim: int):
@@ -81,6 +85,7 @@ def choose(logits, key, sp: SamplingParams, greedy: bool):
   """(token, probability of that token under the processed distribution, log-probs).
 
   Greedy picks the argmax of the raw logits; its probability is the plain softmax (as upstream).
+  In a sampled program, the rows of ``sp.greedy`` do the same.
   """
   if greedy:
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -88,8 +93,21 @@ def choose(logits, key, sp: SamplingParams, greedy: bool):
   else:
     lp = log_probs(logits, sp)
     tok = categorical(key, lp).astype(jnp.int32)
+    if sp.greedy is not None:
+      g = _per_row(sp.greedy, tok.ndim)
+      raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+      tok = jnp.where(g, jnp.argmax(logits, axis=-1).astype(jnp.int32), tok)
+      lp = jnp.where(g[..., None], raw, lp)
   p = jnp.exp(jnp.take_along_axis(lp, tok[..., None], -1)[..., 0])
   return tok, p, lp
+
+
+def row_greedy(sp: SamplingParams, shape):
+  """Which rows decode greedily in a sampled program ([B] bool; all False without
+  ``sp.greedy``), broadcast to ``shape`` (the batch first)."""
+  if sp.greedy is None:
+    return jnp.zeros(shape, bool)
+  return jnp.broadcast_to(_per_row(sp.greedy, len(shape)), shape)
 
 
 def speculative_accept(draft, lq, lp, key):

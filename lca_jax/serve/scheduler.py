@@ -1,4 +1,5 @@
-"""Continuous batching: requests in and out of decode slots (``slots.SlotBatch``), one thread.
+"""Continuous batching: requests in and out of decode slots (``decode.batch.SlotBatch``), one
+thread.
 
 A request's choices (prompts x ``n``) become ``Job``s in a bounded FIFO queue (``submit``
 refuses past ``max_queue`` waiting jobs: the app answers 429). The scheduler thread loops:
@@ -7,39 +8,52 @@ steps) of each batch that has active rows, deliver the bytes each row committed,
 (eos, their byte budget, a stop string, ``request_timeout``) and free the slots of finished and
 cancelled jobs (a client that disconnected) before the next chunk, where new jobs join.
 
-Rows of one batch share a ``slots.GroupKey`` (mode, n, greedy or sampled); everything else
-(temperature, top-k, top-p, tau, seed, budget, stop strings) is per row. Requests of different
-groups run in separate batches, one chunk each in turn; at most ``max_groups`` batches exist at
-a time (an idle one is dropped for a new group; a job whose group cannot get a batch waits).
-At most ``slots`` jobs decode at once, across all batches: each batch has that many slots. A
-job takes the lowest free slot of its batch, so that a chunk decodes as few slots as it can
-(``slots.widths``).
+Rows of one batch share a ``batch.GroupKey`` (mode, n); everything else (greedy or sampled,
+temperature, top-k, top-p, tau, seed, budget, stop strings, log-probabilities) is per row, so
+greedy and sampled requests decode together. Requests of different groups run in separate
+batches, one chunk each in turn; at most ``max_groups`` batches exist at a time (an idle one is
+dropped for a new group; a job whose group cannot get a batch waits). At most ``slots`` jobs
+decode at once, across all batches: each batch has that many slots. A job takes the lowest free
+slot of its batch, so that a chunk decodes as few slots as it can (``batch.widths``).
 
-A job reports to its ``sink`` (called from this thread): ``("delta", text)`` for new text
-(never a split UTF-8 character, never the start of a stop string that may still complete),
-then ``("end", info)`` or ``("error", ServeError)``.
+A job reports to its ``sink`` (called from this thread): ``("delta", (text, logprobs))`` for
+new text (never a split UTF-8 character, never the start of a stop string that may still
+complete) and, when the job asked for them, the ``TokenLogprob``s of the ids that text
+completes (else None), then ``("end", info)`` or ``("error", ServeError)``. A stop string ends
+the row at once (its slot is freed before the next chunk), and ``info`` counts only the ids
+returned (before the stop string).
 """
 
 from __future__ import annotations
 
+import codecs
 import collections
 import math
 import sys
 import threading
 import time
 import traceback
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from lca_jax import vocab
+from lca_jax.decode.batch import GroupKey, RowParams, SlotBatch
 from lca_jax.serve.metrics import Metrics
 from lca_jax.serve.schema import ServeError
-from lca_jax.serve.slots import GroupKey, RowParams, SlotBatch
+
+
+class TokenLogprob(NamedTuple):
+  """One returned id, its log-probability, and the most likely ids of its step."""
+
+  id: int
+  logprob: float
+  top: tuple  # ((id, logprob), ...) best first
 
 
 class Job:
-  """One choice of a request: a prompt decoded in one slot, its text and its counters."""
+  """One choice of a request: a prompt decoded in one slot, its text and its counters.
+  ``logprobs``: alternatives per returned id (None: no log-probabilities)."""
 
   def __init__(
     self,
@@ -49,16 +63,25 @@ class Job:
     stops: Sequence[str],
     sink: Callable,
     deadline: float = math.inf,
+    logprobs: Optional[int] = None,
   ):
     self.prompt_ids, self.group, self.row = prompt_ids, group, row
     self.stops = tuple(stops)
     self.hold = max((len(s) for s in self.stops), default=1) - 1  # chars a stop may have begun
-    self.sink, self.deadline = sink, deadline
+    self.sink, self.deadline, self.logprobs = sink, deadline, logprobs
     self.t0 = time.monotonic()
+    self.t_last: Optional[float] = None  # when bytes were last delivered
     self.cancelled = False  # set by the app (client gone); the slot is freed before next chunk
-    self.dec = vocab.StreamDecoder()
+    self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     self.text, self.sent = "", 0
-    self.n_tokens = self.n_bytes = self.steps = self.n_cand = self.n_acc = 0
+    # per id pushed: the id, its TokenLogprob (or None), the text's length after it, and
+    # whether that text holds all of its bytes (no UTF-8 character left open)
+    self.ids: List[int] = []
+    self.lps: List[Optional[TokenLogprob]] = []
+    self._char_end: List[int] = []
+    self._whole: List[bool] = []
+    self.n_returned = 0  # ids whose text has been sent
+    self.steps = self.n_cand = self.n_acc = 0
     self.first_byte_s: Optional[float] = None
     self.finished = False
 
@@ -71,14 +94,29 @@ class Job:
     except RuntimeError:  # the app's event loop is closed: nobody listens
       self.cancelled = True
 
-  def push(self, ids: List[int], final: bool) -> Optional[str]:
-    """Take newly committed ids; emit the text that is safe to send. Returns "stop" when a
-    stop string ended the text (cut before it), else None."""
-    self.n_tokens += len(ids)  # what max_tokens budgets: every id, eos included
-    self.n_bytes += int(np.sum(vocab.is_byte_id(ids))) if ids else 0
-    self.text += self.dec.push([i for i in ids if i != vocab.EOS_ID])
+  def _released(self, chars: int) -> int:
+    """Ids whose bytes all lie within the first ``chars`` characters of the text."""
+    k = self.n_returned
+    for j in range(self.n_returned, len(self.ids)):
+      if self._char_end[j] > chars:
+        break
+      if self._whole[j]:
+        k = j + 1
+    return k
+
+  def push(self, ids: List[int], final: bool, lps=None) -> Optional[str]:
+    """Take newly committed ids (and their ``TokenLogprob``s); emit the text that is safe to
+    send. Returns "stop" when a stop string ended the text (cut before it), else None."""
+    for k, i in enumerate(ids):
+      self.ids.append(i)
+      self.lps.append(lps[k] if lps is not None else None)
+      self.text += self._utf8.decode(vocab.ids_to_bytes([i]), final=False)
+      self._char_end.append(len(self.text))
+      self._whole.append(self._utf8.getstate()[0] == b"")
     if final:
-      self.text += self.dec.flush()
+      self.text += self._utf8.decode(b"", final=True)
+      if self.ids:
+        self._char_end[-1], self._whole[-1] = len(self.text), True
     safe = len(self.text)
     hit = None
     if self.stops:
@@ -89,17 +127,21 @@ class Job:
         safe = hit
       elif not final:
         safe = max(self.sent, len(self.text) - self.hold)
-    if safe > self.sent:
-      self._emit("delta", self.text[self.sent : safe])
+    k = len(self.ids) if final and hit is None else self._released(safe)
+    if safe > self.sent or (k > self.n_returned and self.logprobs is not None):
+      lps_out = self.lps[self.n_returned : k] if self.logprobs is not None else None
+      self._emit("delta", (self.text[self.sent : safe], lps_out))
       self.sent = safe
+    self.n_returned = k
     return "stop" if hit is not None else None
 
   def end(self, reason: str):
     self.finished = True
+    kept = self.ids[: self.n_returned]
     info = dict(
       finish_reason=reason,
-      completion_tokens=self.n_tokens,
-      completion_bytes=self.n_bytes,
+      completion_tokens=len(kept),
+      completion_bytes=int(np.sum(vocab.is_byte_id(kept))) if kept else 0,
       steps=self.steps,
       candidates=self.n_cand,
       accepted=self.n_acc,
@@ -150,9 +192,10 @@ class Scheduler:
     self.error: Optional[str] = None  # why the loop died, if it did
 
   # ---- public --------------------------------------------------------------------------------
-  def warm(self, group: GroupKey):
-    """Build ``group``'s batch and compile its programs for every prompt bucket."""
-    self._group(group).batch.warm(self.chunk_steps)
+  def warm(self, group: GroupKey, sampled: bool = True):
+    """Build ``group``'s batch and compile its programs for every prompt bucket: the greedy
+    one and (``sampled``) the sampled one."""
+    self._group(group).batch.warm(self.chunk_steps, sampled)
 
   def start(self):
     self._thread = threading.Thread(target=self._run, name="lca-serve-decode", daemon=True)
@@ -190,7 +233,7 @@ class Scheduler:
           kind="rate_limit_error",
         )
       self._pending.extend(jobs)
-      self.metrics.queue.set(len(self._pending))
+      self.metrics.waiting.set(len(self._pending))
       self._cv.notify_all()
 
   # ---- the loop --------------------------------------------------------------------------------
@@ -267,16 +310,17 @@ class Scheduler:
             missing = j.group
             break
           g = self._group(j.group)
+          self.metrics.queue_time.observe(now - j.t0)
           i = g.jobs.index(None)
           g.jobs[i] = j  # the slot is the job's from now on
           taken.setdefault(j.group, []).append((i, j))
           self.n_active += 1
           self._pending.remove(j)
-        self.metrics.queue.set(len(self._pending))
+        self.metrics.waiting.set(len(self._pending))
       if missing is None:
         break
       self._group(missing)
-    self.metrics.active.set(self.n_active)
+    self.metrics.running.set(self.n_active)
     for key, entries in taken.items():
       self._groups[key].batch.admit_many([(i, j.prompt_ids, j.row) for i, j in entries])
 
@@ -289,7 +333,7 @@ class Scheduler:
   def _free(self, g: _Group, i: int):
     g.jobs[i] = None
     self.n_active -= 1
-    self.metrics.active.set(self.n_active)
+    self.metrics.running.set(self.n_active)
 
   def _chunk(self, g: _Group):
     now = time.monotonic()
@@ -311,24 +355,44 @@ class Scheduler:
       if j is None:
         continue
       a = c.a_Kw[: c.steps, i]
-      ids = [int(x) for k in range(c.steps) for x in c.d_KwW[k, i, : a[k]]]
+      ids, lps = [], [] if j.logprobs is not None else None
+      for k in range(c.steps):
+        for x in c.d_KwW[k, i, : a[k]]:
+          ids.append(int(x))
+          if lps is not None:  # ntp: one byte per step
+            top = zip(c.top_ids_KwT[k, i, : j.logprobs], c.top_lp_KwT[k, i, : j.logprobs])
+            pairs = tuple((int(t), float(v)) for t, v in top)
+            lps.append(TokenLogprob(int(x), float(c.lp_Kw[k, i]), pairs))
       n_bytes += len(ids)
       j.steps += int(np.sum(a > 0))
       cand += int(c.n_cand_w[i]) - j.n_cand
       acc += int(c.n_acc_w[i]) - j.n_acc
       j.n_cand, j.n_acc = int(c.n_cand_w[i]), int(c.n_acc_w[i])
-      if ids and j.first_byte_s is None:
-        j.first_byte_s = now - j.t0
-        self.metrics.ttfb.observe(j.first_byte_s)
+      if ids:
+        if j.first_byte_s is None:
+          j.first_byte_s = now - j.t0
+          self.metrics.ttfb.observe(j.first_byte_s)
+          if len(ids) > 1:
+            self.metrics.record_bytes(len(ids) - 1, 0.0)
+        else:
+          self.metrics.record_bytes(len(ids), now - j.t_last)
+        j.t_last = now
       done = bool(c.done_w[i])
       if j.cancelled:
         self._free(g, i)
         continue
-      stopped = j.push(ids, final=done)
+      stopped = j.push(ids, final=done, lps=lps)
       if stopped or done:
         eos = bool(ids) and ids[-1] == vocab.EOS_ID and not j.row.ignore_eos
         j.end("stop" if stopped or eos else "length")
+        self.metrics.e2e.observe(now - j.t0)
         self._free(g, i)
     self.metrics.record_chunk(
-      n_bytes, int(np.sum(c.a_Kw[: c.steps] > 0)), cand, acc, int(active.sum()), c.width
+      g.batch.group.mode,
+      n_bytes,
+      int(np.sum(c.a_Kw[: c.steps] > 0)),
+      cand,
+      acc,
+      int(active.sum()),
+      c.width,
     )
