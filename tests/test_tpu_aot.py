@@ -24,6 +24,7 @@ from lca_jax.aot import check, targets, text, tpu_check
 from lca_jax.model.config import ModelConfig
 from lca_jax.perf import hardware, hlo, tpu
 from lca_jax.perf.estimate import Hints
+from lca_jax.train import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "tpu_aot.py")
@@ -325,3 +326,14 @@ def test_memory_verdict_is_against_the_whole_hbm():
   Stats.temp_size_in_bytes = 13e9
   m = tpu_check.memory(Compiled(), int(16e9), int(4e9))
   assert not m["fits"] and m["verdict"] == "does not fit by 1.00 GB"
+
+
+@needs_libtpu
+def test_a_two_slice_mesh_puts_data_across_the_slices():
+  devs = targets.devices(targets.parse("v5e:4*2"))
+  cfg = dict(data=2, fsdp=4, tensor=1)
+  mesh = sharding.make_mesh(cfg, devs)
+  grid = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+  assert mesh.shape["data"] == 2 and (grid[0] == 0).all() and (grid[1] == 1).all()
+  with pytest.raises(sharding.MeshError, match="multiple of the 2 TPU slices"):
+    sharding.make_mesh(dict(data=1, fsdp=8, tensor=1), devs)

@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 import flax.linen as nn
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -133,9 +134,15 @@ def make_mesh(
   if micro_rows is not None and is_cpu_split(mesh_cfg, devices):
     mesh_cfg = cpu_mesh(mesh_cfg, micro_rows, len(devices))
   shape = mesh_shape(mesh_cfg, len(devices))
-  return jax.make_mesh(
-    shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices
-  )
+  types = (jax.sharding.AxisType.Auto,) * len(AXES)
+  slices = len({getattr(d, "slice_index", 0) for d in devices})
+  if slices > 1:  # TPU multislice: 'data' spans the slices (DCN), the rest stays in a slice
+    if shape[0] % slices:
+      raise MeshError(f"mesh: data={shape[0]} must be a multiple of the {slices} TPU slices")
+    ici = (shape[0] // slices,) + tuple(shape[1:])
+    grid = mesh_utils.create_hybrid_device_mesh(ici, (slices, 1, 1), devices)
+    return jax.sharding.Mesh(grid, AXES, axis_types=types)
+  return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
 
 
 def is_cpu_split(mesh_cfg, devices) -> bool:
