@@ -337,3 +337,23 @@ def test_a_two_slice_mesh_puts_data_across_the_slices():
   assert mesh.shape["data"] == 2 and (grid[0] == 0).all() and (grid[1] == 1).all()
   with pytest.raises(sharding.MeshError, match="multiple of the 2 TPU slices"):
     sharding.make_mesh(dict(data=1, fsdp=8, tensor=1), devs)
+
+
+def test_fit_search_tries_the_predicted_micro_batch_then_halves_then_remat(monkeypatch):
+  config = configs_io.load_config(TINY)
+  config.train.micro_batch_size = 16
+  tried = []
+
+  def fake(c, target, which, work):
+    rows, remat = c.train.micro_batch_size, c.model.remat
+    tried.append((rows, remat))
+    temp = (4.0 if remat else 4.5) * rows  # GB: 72 at 16 rows, 16 GB chips
+    mem = dict(device_gb=16.0, total_gb=temp + 1.0, temp_gb=temp, fits=temp + 1.0 <= 16.0)
+    return [dict(memory=mem, micro_batch_per_device=rows)]
+
+  monkeypatch.setattr(check, "train_reports", fake)
+  first = fake(config, None, None, None)[0]
+  tried.clear()
+  out = check.fit_search(config, targets.parse("v5e"), first)
+  # 15 GB of room / 4.5 GB per row -> 3.3 rows -> 2 (fits: 10 GB); then 16 rows with remat
+  assert tried == [(2, False), (16, True)] and out[0]["memory"]["fits"]
