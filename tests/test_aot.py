@@ -268,7 +268,9 @@ def test_a_decode_step_that_runs_no_latent_lm_only_writes_the_lm_caches(
   all layers' entries in one kernel, so more LM layers add nothing to a step where no group
   closes (the smallest branch); without them (LCA_JAX_FUSED_DECODE=0) each LM layer adds only
   the two writes of its keys and values (no zero entries per layer in the idle branch, no
-  select per write). A step that runs the LM launches each layer's own kernels."""
+  select per write). A step that runs the LM launches each layer's own kernels: with the fused
+  kernels exactly five (norm + q/k/v, attention, output + residual, norm + gate/up, down +
+  residual)."""
   from lca_jax.aot import check  # pylint: disable=g-import-not-at-top
   from lca_jax.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
 
@@ -282,7 +284,10 @@ def test_a_decode_step_that_runs_no_latent_lm_only_writes_the_lm_caches(
     steps.append(r["step"])
   per_layer = 0 if fused == "1" else 2
   assert steps[1]["kernels_least"] - steps[0]["kernels_least"] == per_layer * more, steps
-  assert steps[1]["kernels"] - steps[0]["kernels"] > 8 * more, steps  # each layer's own kernels
+  if fused == "1":  # (+ at most the loop bookkeeping of a stack long enough to be scanned)
+    assert 5 * more <= steps[1]["kernels"] - steps[0]["kernels"] <= 5 * more + 2, steps
+  else:
+    assert steps[1]["kernels"] - steps[0]["kernels"] > 8 * more, steps
 
 
 @needs_plugin
@@ -291,8 +296,9 @@ def test_the_fused_decode_kernels_replace_xla_s_kernels_of_each_layer(
   optimized, batch, monkeypatch
 ):
   """A decode step compiled for an H100 runs each layer's dense parts as the Pallas kernels of
-  kernels/decode_fused.py and the LM's cache writes as one kernel: fewer kernels in both the
-  idle and the LM step than with LCA_JAX_FUSED_DECODE=0, and no copy of a cache."""
+  kernels/decode_fused.py, its attention (RoPE, scores, softmax, values, cache write) as the
+  kernel of kernels/decode_attention.py, and the LM's cache writes as one kernel: fewer kernels
+  in both the idle and the LM step than with LCA_JAX_FUSED_DECODE=0, and no copy of a cache."""
   from lca_jax.aot import check  # pylint: disable=g-import-not-at-top
   from lca_jax.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
 
@@ -303,7 +309,7 @@ def test_the_fused_decode_kernels_replace_xla_s_kernels_of_each_layer(
   (plain,) = check.decode_reports(cfg, targets.parse("h100"), case, 32, 32)
   calls = fused["custom_calls"].get("__gpu$xla.gpu.triton", 0)
   layers_ = cfg.n_enc + cfg.n_lm + cfg.n_dec
-  assert calls >= 4 * layers_ and plain["custom_calls"].get("__gpu$xla.gpu.triton", 0) == 0
+  assert calls >= 5 * layers_ and plain["custom_calls"].get("__gpu$xla.gpu.triton", 0) == 0
   assert fused["step"]["kernels_least"] < plain["step"]["kernels_least"]
   assert fused["step"]["kernels"] < plain["step"]["kernels"]
   assert fused["memory"]["temp_gb"] <= plain["memory"]["temp_gb"] + 1e-3  # no cache copies

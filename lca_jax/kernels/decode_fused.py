@@ -36,13 +36,13 @@ BLOCK_N = 32
 BLOCK_K = 128
 
 
-def _rows(m: int) -> int:
+def pow2_rows(m: int) -> int:
   """Rows of a block: the next power of two (Triton's block shapes are powers of two; the rows
   past M are masked on load and store)."""
   return 1 << max(m - 1, 0).bit_length()
 
 
-def _product(x_MK, w, in_out: bool):
+def rows_product(x_MK, w, in_out: bool):
   """x times a weight chunk in float32: ``w`` is [N, K] (x w^T) or with ``in_out`` [K, N]
   (x w). A Triton dot from ``MIN_ROWS`` rows on; below it a multiply and a sum over the chunk
   (a matrix-vector product: no row padding, no copy of the result)."""
@@ -68,7 +68,7 @@ def _weight_spec(d: int, bn: int, in_out: bool, offset: int = 0):
   return pl.BlockSpec((bn, d), lambda j: (j + offset, 0))
 
 
-def _block(n: int, want: int) -> int:
+def divisor_block(n: int, want: int) -> int:
   """The largest power of two <= ``want`` that divides ``n`` (at least 16 when possible)."""
   b = want
   while b > 1 and n % b:
@@ -76,7 +76,7 @@ def _block(n: int, want: int) -> int:
   return b
 
 
-def _params(num_warps: int = 4, num_stages: int = 2):
+def compiler_params(num_warps: int = 4, num_stages: int = 2):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -100,7 +100,7 @@ def _normed_product(x_ref, s_ref, w_ref, inv, d, block_k, dtype, in_out):
     cols = pl.ds(i * block_k, block_k)
     xk = x_ref[:, cols].astype(jnp.float32) * inv[:, None]
     xk = (xk * s_ref[cols].astype(jnp.float32)[None, :]).astype(x_ref.dtype).astype(dtype)
-    return acc + _product(xk, _chunk(w_ref, cols, in_out).astype(dtype), in_out)
+    return acc + rows_product(xk, _chunk(w_ref, cols, in_out).astype(dtype), in_out)
 
   return lax.fori_loop(0, d // block_k, body, jnp.zeros((x_ref.shape[0], n), jnp.float32))
 
@@ -128,7 +128,7 @@ def _matvec_residual_kernel(x_ref, w_ref, r_ref, o_ref, *, block_k, dtype, in_ou
   def body(i, acc):
     cols = pl.ds(i * block_k, block_k)
     w = _chunk(w_ref, cols, in_out).astype(dtype)
-    return acc + _product(x_ref[:, cols].astype(dtype), w, in_out)
+    return acc + rows_product(x_ref[:, cols].astype(dtype), w, in_out)
 
   acc = lax.fori_loop(0, k // block_k, body, jnp.zeros((x_ref.shape[0], n), jnp.float32))
   o_ref[...] = (r_ref[...] + acc.astype(dtype)).astype(o_ref.dtype)
@@ -148,18 +148,18 @@ def norm_matvec(
   """RMSNorm(x) * scale times ``w`` [N, D] (with ``in_out``: [D, N]) -> [M, N] in ``dtype``."""
   dtype = jnp.dtype(dtype)
   (n, d), m = _out_in_shape(w, in_out), x_MD.shape[0]
-  bn, bk = _block(n, block_n), _block(d, block_k)
+  bn, bk = divisor_block(n, block_n), divisor_block(d, block_k)
   return pl.pallas_call(
     functools.partial(_norm_matvec_kernel, eps=eps, block_k=bk, dtype=dtype, in_out=in_out),
     grid=(n // bn,),
     in_specs=[
-      pl.BlockSpec((_rows(m), d), lambda j: (0, 0)),
+      pl.BlockSpec((pow2_rows(m), d), lambda j: (0, 0)),
       pl.BlockSpec((d,), lambda j: (0,)),
       _weight_spec(d, bn, in_out),
     ],
-    out_specs=pl.BlockSpec((_rows(m), bn), lambda j: (0, j)),
+    out_specs=pl.BlockSpec((pow2_rows(m), bn), lambda j: (0, j)),
     out_shape=jax.ShapeDtypeStruct((m, n), dtype),
-    compiler_params=_params(),
+    compiler_params=compiler_params(),
     interpret=interpret,
     name="decode_norm_matvec",
   )(x_MD, scale_D, w)
@@ -174,19 +174,19 @@ def norm_matvec_glu(
   dtype = jnp.dtype(dtype)
   (n2, d), m = _out_in_shape(w, in_out), x_MD.shape[0]
   f = n2 // 2
-  bn, bk = _block(f, block_n), _block(d, block_k)
+  bn, bk = divisor_block(f, block_n), divisor_block(d, block_k)
   return pl.pallas_call(
     functools.partial(_norm_glu_kernel, eps=eps, block_k=bk, dtype=dtype, in_out=in_out),
     grid=(f // bn,),
     in_specs=[
-      pl.BlockSpec((_rows(m), d), lambda j: (0, 0)),
+      pl.BlockSpec((pow2_rows(m), d), lambda j: (0, 0)),
       pl.BlockSpec((d,), lambda j: (0,)),
       _weight_spec(d, bn, in_out),  # gate outputs
       _weight_spec(d, bn, in_out, f // bn),  # up outputs
     ],
-    out_specs=pl.BlockSpec((_rows(m), bn), lambda j: (0, j)),
+    out_specs=pl.BlockSpec((pow2_rows(m), bn), lambda j: (0, j)),
     out_shape=jax.ShapeDtypeStruct((m, f), dtype),
-    compiler_params=_params(),
+    compiler_params=compiler_params(),
     interpret=interpret,
     name="decode_norm_glu",
   )(x_MD, scale_D, w, w)
@@ -200,18 +200,18 @@ def matvec_residual(
   -> [M, N] in res's dtype promoted with ``dtype``."""
   dtype = jnp.dtype(dtype)
   (n, k), m = _out_in_shape(w, in_out), x_MK.shape[0]
-  bn, bk = _block(n, block_n), _block(k, block_k)
+  bn, bk = divisor_block(n, block_n), divisor_block(k, block_k)
   return pl.pallas_call(
     functools.partial(_matvec_residual_kernel, block_k=bk, dtype=dtype, in_out=in_out),
     grid=(n // bn,),
     in_specs=[
-      pl.BlockSpec((_rows(m), k), lambda j: (0, 0)),
+      pl.BlockSpec((pow2_rows(m), k), lambda j: (0, 0)),
       _weight_spec(k, bn, in_out),
-      pl.BlockSpec((_rows(m), bn), lambda j: (0, j)),
+      pl.BlockSpec((pow2_rows(m), bn), lambda j: (0, j)),
     ],
-    out_specs=pl.BlockSpec((_rows(m), bn), lambda j: (0, j)),
+    out_specs=pl.BlockSpec((pow2_rows(m), bn), lambda j: (0, j)),
     out_shape=jax.ShapeDtypeStruct((m, n), jnp.result_type(res_MN.dtype, dtype)),
-    compiler_params=_params(),
+    compiler_params=compiler_params(),
     interpret=interpret,
     name="decode_matvec_residual",
   )(x_MK, w, res_MN)
@@ -254,7 +254,7 @@ def write_slots(caches, new_k, new_v, start_B, *, interpret=False):
     grid=(b, kv),
     out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat],
     input_output_aliases={3 + i: i for i in range(2 * n)},
-    compiler_params=_params(num_warps=1, num_stages=1),
+    compiler_params=compiler_params(num_warps=1, num_stages=1),
     interpret=interpret,
     name="decode_write_slots",
   )(start_B.astype(jnp.int32), new_k, new_v, *flat)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lca_jax import backend
-from lca_jax.kernels import decode_fused
+from lca_jax.kernels import decode_attention, decode_fused
 from lca_jax.model import rows
 from lca_jax.model.activations import swiglu
 from lca_jax.model.kv_cache import CacheAccess, KVCache
@@ -428,17 +428,30 @@ class Attention(nn.Module):
     for ``write_kv`` to store later. ``rows_BR`` [B, R] (indices into T) keeps only those rows'
     outputs, [B, R, D] (a caller that reads only some positions after this layer): all T keys
     and values are still computed (and written); over a cache only those rows query.
-    ``qkv`` (decoding with ``fused_decode_kernels``: the caller projected q, k, v itself, each
-    [B, T, heads * E]) skips the input projection and returns the heads' outputs [B, R, H E]
-    before the output projection, which the caller fuses with its residual.
+    ``qkv`` (decoding with ``fused_decode_kernels``: the caller's fused q/k/v projection
+    [B, T, (H + 2 K) E]) skips the input projection and returns the heads' outputs [B, R, H E]
+    before the output projection, which the caller fuses with its residual; with heads the
+    decode attention kernel takes (``decode_attention.supported``), RoPE, the attention and
+    the cache write run in that one kernel.
     """
     if (cache is None) != (access is None):
       raise ValueError("a KV cache needs its CacheAccess and a CacheAccess its cache")
-    b, t = (x_BTD if qkv is None else qkv[0]).shape[:2]
+    b, t = (x_BTD if qkv is None else qkv).shape[:2]
     h, kv, e = self.n_heads, self.n_kv_heads, self.head_dim
     fused = decode_kernel(self, QKV_KERNEL) if cache is not None and qkv is None else None
+    if qkv is not None and decode_attention.supported(h, kv, e):
+      out, new_kv = _attend_cache_kernel(
+        qkv.reshape(b, t, h + 2 * kv, e),
+        rope_cos_sin(positions_BT, e, self.rope_base, self.rope_len),
+        KVCache(*cache),
+        mask_BTS,
+        access,
+        rows_BR,
+        h,
+      )
+      return out.reshape(b, -1, h * e), new_kv
     if qkv is not None:
-      q, k, v = qkv
+      q, k, v = jnp.split(qkv, [h * e, (h + kv) * e], axis=-1)
     elif fused is not None:
       # decoding with ``fuse_decode_params``: one dot (training keeps three, faster there)
       q, k, v = split_dense(x_BTD, fused[0], (h * e, kv * e, kv * e), self.dtype, fused[1])
@@ -489,6 +502,26 @@ def _attend_cache(q_BRHE, k_BTKE, v_BTKE, cache: KVCache, mask_BRS, access: Cach
   if not access.defer_write:
     new_kv = write_kv(cache, new_kv, access.write_B)
   return out, new_kv
+
+
+def _attend_cache_kernel(qkv_BTCE, cos_sin, cache: KVCache, mask_BTS, access, rows_BR, n_heads):
+  """``_attend_cache`` of the fused projection's q, k, v (before RoPE) in one Pallas kernel
+  (``kernels.decode_attention``)."""
+  out, new_kv = decode_attention.cache_attention(
+    qkv_BTCE,
+    cos_sin,
+    cache.k,
+    cache.v,
+    mask_BTS if rows_BR is None else take_rows(mask_BTS, rows_BR),
+    access.write_B,
+    access.window_B,
+    rows_BR,
+    n_heads=n_heads,
+    old_slots=access.old_slots,
+    write=not access.defer_write,
+    interpret=backend.pallas_interpret(),
+  )
+  return out, KVCache(*new_kv)
 
 
 class SwiGLU(nn.Module):
@@ -601,17 +634,16 @@ class Block(nn.Module):
   def _fused_step(self, attn, weights, x, positions, mask, cache, access, rows_BR):
     """The block over a KV cache for a step of at most ``decode_fused.MAX_ROWS`` rows (a
     prefill's block keeps XLA's GEMMs) with ``kernels.decode_fused``: norm1 + q/k/v projection, the
-    attention (``Attention`` from its q, k, v), output projection + residual, norm2 + gate/up
-    + SwiGLU, down projection + residual: four kernels for the dense parts."""
+    attention (``Attention`` from the projection; ``kernels.decode_attention``: one more
+    kernel), output projection + residual, norm2 + gate/up + SwiGLU, down projection +
+    residual: five kernels a layer."""
     s1, qkv, w_out, s2, w_gate_up, w_down = weights
     b, t, d = x.shape
-    h, kv_h = self.n_heads, self.n_kv_heads
-    e = d // h
+    h, e = self.n_heads, d // self.n_heads
     kw = dict(dtype=self.dtype, interpret=backend.pallas_interpret())
     y = decode_fused.norm_matvec(x.reshape(b * t, d), s1, qkv[0], eps=self.eps, in_out=qkv[1], **kw)
-    q, k, v = (p.reshape(b, t, -1) for p in jnp.split(y, [h * e, (h + kv_h) * e], axis=-1))
     heads, kv = attn(
-      None, positions, mask, cache=cache, access=access, rows_BR=rows_BR, qkv=(q, k, v)
+      None, positions, mask, cache=cache, access=access, rows_BR=rows_BR, qkv=y.reshape(b, t, -1)
     )
     x = x if rows_BR is None else take_rows(x, rows_BR)
     r = x.shape[1]

@@ -1,0 +1,110 @@
+"""The decode attention kernel (lca_jax/kernels/decode_attention.py, Pallas interpret mode on the
+CPU) against the XLA path it replaces (``layers._attend_cache``: ``cached_attention`` and the
+cache write), on random inputs: one and several query rows, new keys at ragged and clamped
+starts (a cache at capacity), a window, ``old_slots``, fully masked rows, float32 and bfloat16.
+
+    .venv/bin/python -m pytest -q tests/test_decode_attention.py
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lca_jax.kernels import decode_attention as da
+from lca_jax.model import layers
+from lca_jax.model.kv_cache import CacheAccess, KVCache
+
+TOL = {jnp.float32: 2e-6, jnp.bfloat16: 2e-2}  # of the largest output
+
+
+def _inputs(seed, *, b=2, t=3, h=4, kv=2, e=16, slots=64, dtype=jnp.float32):
+  """Random q/k/v of the fused projection (before RoPE), caches, RoPE at ragged positions."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+  n = lambda k, s: jax.random.normal(k, s, jnp.float32).astype(dtype)
+  qkv = n(ks[0], (b, t, h + 2 * kv, e))
+  cache = KVCache(n(ks[1], (b, kv, slots, e)), n(ks[2], (b, kv, e, slots)))
+  pos = jax.random.randint(ks[3], (b, 1), 0, 200) + jnp.arange(t)[None, :]
+  return qkv, layers.rope_cos_sin(pos, e, 10000.0, 512), cache, ks[5]
+
+
+def _xla(qkv, cos_sin, cache, mask, access, rows, h):
+  """The XLA path (``Attention`` over a cache without the kernel)."""
+  kv = (qkv.shape[2] - h) // 2
+  q, k, v = qkv[:, :, :h], qkv[:, :, h : h + kv], qkv[:, :, h + kv :]
+  q, k = layers.rope(q, cos_sin), layers.rope(k, cos_sin)
+  if rows is not None:
+    q, mask = layers.take_rows(q, rows), layers.take_rows(mask, rows)
+  return layers._attend_cache(q, k, v, cache, mask, access)  # pylint: disable=protected-access
+
+
+def _check(qkv, cos_sin, cache, mask, access, dtype, rows=None, h=4, block_s=8):
+  want_out, want_kv = _xla(qkv, cos_sin, cache, mask, access, rows, h)
+  got_out, got_kv = da.cache_attention(
+    qkv,
+    cos_sin,
+    cache.k,
+    cache.v,
+    mask if rows is None else layers.take_rows(mask, rows),
+    access.write_B,
+    access.window_B,
+    rows,
+    n_heads=h,
+    old_slots=access.old_slots,
+    write=not access.defer_write,
+    interpret=True,
+    block_s=block_s,
+  )
+  want, got = np.asarray(want_out, np.float64), np.asarray(got_out, np.float64)
+  assert got.shape == want.shape
+  np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype] * np.max(np.abs(want)))
+  for g, w in zip(got_kv, want_kv):  # the written caches, or the new entries: exact
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("t", [1, 3, 4])
+def test_matches_the_xla_path_over_the_whole_cache(t, dtype):
+  qkv, cos_sin, cache, key = _inputs(t, t=t, dtype=dtype)
+  slots = cache.k.shape[2]
+  mask = jax.random.bernoulli(key, 0.4, (2, t, slots))
+  mask = mask.at[1, 0].set(False)  # a row with no allowed key: zeros
+  # a ragged start, and one past the end (clamped: the cache at capacity)
+  access = CacheAccess(jnp.array([5, slots + 3], jnp.int32))
+  _check(qkv, cos_sin, cache, mask, access, dtype)
+
+
+@pytest.mark.parametrize("defer_write", [False, True])
+@pytest.mark.parametrize("old_slots", [0, 20])
+def test_old_slots_read_only_the_first_slots(old_slots, defer_write):
+  """``old_slots``; with ``defer_write`` the new entries come back instead of the caches."""
+  qkv, cos_sin, cache, key = _inputs(7)
+  mask = jax.random.bernoulli(key, 0.6, (2, 3, cache.k.shape[2]))
+  access = CacheAccess(jnp.array([20, 17], jnp.int32), old_slots=old_slots, defer_write=defer_write)
+  _check(qkv, cos_sin, cache, mask, access, jnp.float32)
+
+
+@pytest.mark.parametrize("block_s", [8, 64])
+def test_a_window_of_the_cache(block_s):
+  qkv, cos_sin, cache, key = _inputs(11, t=2)
+  w = 24
+  mask = jax.random.bernoulli(key, 0.7, (2, 2, w))
+  # windows at unaligned starts, one clamped to the cache's end; writes inside each window
+  access = CacheAccess(jnp.array([13, 60], jnp.int32), window_B=jnp.array([3, 50], jnp.int32))
+  _check(qkv, cos_sin, cache, mask, access, jnp.float32, block_s=block_s)
+
+
+def test_fewer_query_rows_than_new_keys_and_grouped_heads():
+  """R < T (a caller that reads only some positions) with 4 query heads per kv head."""
+  qkv, cos_sin, cache, key = _inputs(3, t=4, h=8, kv=2)
+  rows = jnp.array([[3], [1]])
+  mask = jax.random.bernoulli(key, 0.5, (2, 4, cache.k.shape[2]))
+  access = CacheAccess(jnp.array([0, 40], jnp.int32))
+  _check(qkv, cos_sin, cache, mask, access, jnp.float32, rows=rows, h=8)
+
+
+def test_supported_heads_and_block_sizes():
+  assert da.supported(8, 8, 128) and da.supported(4, 2, 16)
+  assert not da.supported(12, 4, 64) and not da.supported(8, 8, 96)
+  assert da.block_slots(515, 1, 128) == 64 and da.block_slots(40, 1, 128) == 32
+  assert da.block_slots(4096, 8, 128) == 16  # the register budget of [8, slots, 64]
