@@ -166,7 +166,8 @@ def test_hf_export_agrees(tiny_upstream_checkpoint, lca_results, tasks, tmp_path
 def test_cli(tiny_upstream_checkpoint, tasks, tmp_path, capsys):
   out = tmp_path / "out"
   argv = ["--model", "lca_jax", "--model_args", f"checkpoint={tiny_upstream_checkpoint}"]
-  argv += ["--tasks", "tiny_mc", "--include_path", tasks, "--batch_size", "4"]
+  argv += ["--tasks", "tiny_mc", "--include_path", tasks, "--batch_size", "auto"]
+  argv += ["--max_batch_size", "4"]
   assert lm_eval_cli.main(argv + ["--output_path", str(out)]) == 0
   assert "tiny_mc" in capsys.readouterr().out
   assert any(p.name.startswith("results") for p in out.rglob("*.json"))
