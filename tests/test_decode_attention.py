@@ -16,6 +16,7 @@ from lca_jax.model import layers
 from lca_jax.model.kv_cache import CacheAccess, KVCache
 
 TOL = {jnp.float32: 2e-6, jnp.bfloat16: 2e-2}  # of the largest output
+BASE = 10000.0
 
 
 def _inputs(seed, *, b=2, t=3, h=4, kv=2, e=16, slots=64, dtype=jnp.float32):
@@ -25,11 +26,12 @@ def _inputs(seed, *, b=2, t=3, h=4, kv=2, e=16, slots=64, dtype=jnp.float32):
   qkv = n(ks[0], (b, t, h + 2 * kv, e))
   cache = KVCache(n(ks[1], (b, kv, slots, e)), n(ks[2], (b, kv, e, slots)))
   pos = jax.random.randint(ks[3], (b, 1), 0, 200) + jnp.arange(t)[None, :]
-  return qkv, layers.rope_cos_sin(pos, e, 10000.0, 512), cache, ks[5]
+  return qkv, pos, cache, ks[5]
 
 
-def _xla(qkv, cos_sin, cache, mask, access, rows, h):
+def _xla(qkv, pos, cache, mask, access, rows, h, rope_len):
   """The XLA path (``Attention`` over a cache without the kernel)."""
+  cos_sin = layers.rope_cos_sin(pos, qkv.shape[-1], BASE, rope_len)
   kv = (qkv.shape[2] - h) // 2
   q, k, v = qkv[:, :, :h], qkv[:, :, h : h + kv], qkv[:, :, h + kv :]
   q, k = layers.rope(q, cos_sin), layers.rope(k, cos_sin)
@@ -38,11 +40,11 @@ def _xla(qkv, cos_sin, cache, mask, access, rows, h):
   return layers._attend_cache(q, k, v, cache, mask, access)  # pylint: disable=protected-access
 
 
-def _check(qkv, cos_sin, cache, mask, access, dtype, rows=None, h=4, block_s=8):
-  want_out, want_kv = _xla(qkv, cos_sin, cache, mask, access, rows, h)
+def _check(qkv, pos, cache, mask, access, dtype, rows=None, h=4, block_s=8, rope_len=512):
+  want_out, want_kv = _xla(qkv, pos, cache, mask, access, rows, h, rope_len)
   got_out, got_kv = da.cache_attention(
     qkv,
-    cos_sin,
+    layers.rope_rows(pos, qkv.shape[-1], BASE, rope_len),
     cache.k,
     cache.v,
     mask if rows is None else layers.take_rows(mask, rows),
@@ -65,42 +67,51 @@ def _check(qkv, cos_sin, cache, mask, access, dtype, rows=None, h=4, block_s=8):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("t", [1, 3, 4])
 def test_matches_the_xla_path_over_the_whole_cache(t, dtype):
-  qkv, cos_sin, cache, key = _inputs(t, t=t, dtype=dtype)
+  qkv, pos, cache, key = _inputs(t, t=t, dtype=dtype)
   slots = cache.k.shape[2]
   mask = jax.random.bernoulli(key, 0.4, (2, t, slots))
   mask = mask.at[1, 0].set(False)  # a row with no allowed key: zeros
   # a ragged start, and one past the end (clamped: the cache at capacity)
   access = CacheAccess(jnp.array([5, slots + 3], jnp.int32))
-  _check(qkv, cos_sin, cache, mask, access, dtype)
+  _check(qkv, pos, cache, mask, access, dtype)
 
 
 @pytest.mark.parametrize("defer_write", [False, True])
 @pytest.mark.parametrize("old_slots", [0, 20])
 def test_old_slots_read_only_the_first_slots(old_slots, defer_write):
   """``old_slots``; with ``defer_write`` the new entries come back instead of the caches."""
-  qkv, cos_sin, cache, key = _inputs(7)
+  qkv, pos, cache, key = _inputs(7)
   mask = jax.random.bernoulli(key, 0.6, (2, 3, cache.k.shape[2]))
   access = CacheAccess(jnp.array([20, 17], jnp.int32), old_slots=old_slots, defer_write=defer_write)
-  _check(qkv, cos_sin, cache, mask, access, jnp.float32)
+  _check(qkv, pos, cache, mask, access, jnp.float32)
+
+
+@pytest.mark.parametrize("rope_len", [512, 0])
+def test_rope_from_the_table_or_computed(rope_len):
+  """RoPE rows from the model's table, or computed for this call (rope_len 0)."""
+  qkv, pos, cache, key = _inputs(5, t=2)
+  mask = jax.random.bernoulli(key, 0.5, (2, 2, cache.k.shape[2]))
+  access = CacheAccess(jnp.array([9, 33], jnp.int32))
+  _check(qkv, pos, cache, mask, access, jnp.float32, rope_len=rope_len)
 
 
 @pytest.mark.parametrize("block_s", [8, 64])
 def test_a_window_of_the_cache(block_s):
-  qkv, cos_sin, cache, key = _inputs(11, t=2)
+  qkv, pos, cache, key = _inputs(11, t=2)
   w = 24
   mask = jax.random.bernoulli(key, 0.7, (2, 2, w))
   # windows at unaligned starts, one clamped to the cache's end; writes inside each window
   access = CacheAccess(jnp.array([13, 60], jnp.int32), window_B=jnp.array([3, 50], jnp.int32))
-  _check(qkv, cos_sin, cache, mask, access, jnp.float32, block_s=block_s)
+  _check(qkv, pos, cache, mask, access, jnp.float32, block_s=block_s)
 
 
 def test_fewer_query_rows_than_new_keys_and_grouped_heads():
   """R < T (a caller that reads only some positions) with 4 query heads per kv head."""
-  qkv, cos_sin, cache, key = _inputs(3, t=4, h=8, kv=2)
+  qkv, pos, cache, key = _inputs(3, t=4, h=8, kv=2)
   rows = jnp.array([[3], [1]])
   mask = jax.random.bernoulli(key, 0.5, (2, 4, cache.k.shape[2]))
   access = CacheAccess(jnp.array([0, 40], jnp.int32))
-  _check(qkv, cos_sin, cache, mask, access, jnp.float32, rows=rows, h=8)
+  _check(qkv, pos, cache, mask, access, jnp.float32, rows=rows, h=8)
 
 
 def test_supported_heads_and_block_sizes():

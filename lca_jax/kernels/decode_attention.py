@@ -56,11 +56,9 @@ def _rotate(x1, x2, c1, s1, c2, s2, dtype):
 
 def _kernel(
   qkv_ref,
-  cos_ref,
-  sin_ref,
+  cs_ref,
   rows_ref,
-  mn_ref,
-  mo_ref,
+  mask_ref,
   win_ref,
   start_ref,
   kc_ref,
@@ -69,6 +67,8 @@ def _kernel(
   h: int,
   kv: int,
   t: int,
+  w: int,
+  n_old: int,
   bs: int,
   nb: int,
   write: bool,
@@ -81,9 +81,18 @@ def _kernel(
   lo, hi = pl.ds(0, half), pl.ds(half, half)
   inv = 1.0 / jnp.sqrt(jnp.float32(e))
 
-  def trig(row):  # cos / sin halves of one position: each [1, E / 2]
-    at = lambda ref, part: ref[b, pl.ds(row, 1), part]
-    return at(cos_ref, lo), at(sin_ref, lo), at(cos_ref, hi), at(sin_ref, hi)
+  def trig(j):
+    """cos / sin halves [1, E / 2] of new position j's RoPE row: cos lo, sin lo, cos hi, sin hi."""
+    at = lambda col: cs_ref[b, pl.ds(j, 1), pl.ds(col, half)]
+    return at(0), at(e), at(half), at(e + half)
+
+  win, start = win_ref[b], start_ref[b]
+  rel = start - win  # the new entries' first window column
+
+  def allowed_at(col, n):
+    """The mask of this query row at window columns col .. col + n - 1 (``mask_ref`` is
+    padded by ``bs`` columns on the left)."""
+    return mask_ref[b, r, pl.ds(col + bs, n)] != 0
 
   row = rows_ref[b, r]
   c1, s1, c2, s2 = trig(row)
@@ -106,14 +115,15 @@ def _kernel(
     p = jnp.where(allowed_N[None, :], jnp.exp(sc - m_new[:, None]), 0.0)
     return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv(p)
 
-  win = win_ref[b]
-
   def old_block(i, carry):
     # slots win + i bs .. + bs, the last block moved back inside the cache: its slots before
-    # win + i bs are the previous block's, masked out here
+    # win + i bs are the previous block's, masked out here; so are the slots past the first
+    # n_old and those the new entries take (read from qkv instead)
     u0 = win + i * bs
     s0 = jnp.minimum(u0, slots - bs)
-    allowed = (mo_ref[b, r, pl.ds(s0 - win + bs, bs)] != 0) & (s0 + jnp.arange(bs) >= u0)
+    col = s0 - win + jnp.arange(bs)
+    fresh = (col >= rel) & (col < rel + t)
+    allowed = allowed_at(s0 - win, bs) & (col >= i * bs) & (col < n_old) & ~fresh
     keys = pl.ds(s0, bs)
     sc = rows_product(q1, kc_ref[b, kh, keys, lo].astype(dtype), False)
     sc = sc + rows_product(q2, kc_ref[b, kh, keys, hi].astype(dtype), False)
@@ -136,7 +146,7 @@ def _kernel(
     new.append((k1, k2, v))
     sc = jnp.sum(q1.astype(jnp.float32) * k1.astype(jnp.float32), axis=1)
     sc = sc + jnp.sum(q2.astype(jnp.float32) * k2.astype(jnp.float32), axis=1)
-    allowed = mn_ref[b, r, pl.ds(j, 1)] != 0
+    allowed = allowed_at(jnp.minimum(rel + j, w - 1), 1)
     pv = lambda p, v=v: p.astype(v.dtype).astype(jnp.float32) * v.astype(jnp.float32)[None, :]
     carry = update(carry, sc[:, None], allowed, pv)
   _, l, acc = carry
@@ -146,7 +156,7 @@ def _kernel(
 
   @pl.when(r == 0)
   def _():
-    s = start_ref[b] if write else 0
+    s = start if write else 0
     for j, (k1, k2, v) in enumerate(new):
       k_out[b, kh, pl.ds(s + j, 1), lo] = k1.astype(k_out.dtype)
       k_out[b, kh, pl.ds(s + j, 1), hi] = k2.astype(k_out.dtype)
@@ -158,7 +168,7 @@ def _kernel(
 )
 def cache_attention(
   qkv_BTCE,
-  cos_sin,
+  cos_sin_BT2E,
   cache_k_BKSE,
   cache_v_BKES,
   mask_BRW,
@@ -175,11 +185,12 @@ def cache_attention(
   """R queries' attention over a cache as it will be once the step's T new entries are written.
 
   ``qkv_BTCE`` [B, T, H + 2 K, E]: the fused projection's queries, keys and values of the T
-  new positions, before RoPE; ``cos_sin`` (``layers.rope_cos_sin`` at those positions, each
-  [B, T, 1, E]); ``cache_k_BKSE`` / ``cache_v_BKES`` the caches (v transposed, as ``KVCache``
-  stores it); ``mask_BRW`` the slots each query may attend: ``window_B`` .. + W of its row (the
-  whole cache, W = S, without a window); ``start_B`` where the new entries go (clamped so that
-  T fit, as ``layers.write_kv``); ``rows_BR`` which positions query (default: all T, R = T);
+  new positions, before RoPE; ``cos_sin_BT2E`` their RoPE cos and sin, float32
+  (``layers.rope_rows``); ``cache_k_BKSE`` /
+  ``cache_v_BKES`` the caches (v transposed, as ``KVCache`` stores it); ``mask_BRW`` the slots
+  each query may attend: ``window_B`` .. + W of its row (the whole cache, W = S, without a
+  window); ``start_B`` where the new entries go (clamped so that T fit, as
+  ``layers.write_kv``); ``rows_BR`` which positions query (default: all T, R = T);
   ``old_slots`` (static) as in ``cached_attention``. The new entries' slots are read from
   ``qkv``, not the cache. Returns (out [B, R, H, E], caches with the new entries stored in
   place), or with ``write=False`` (out, (new keys [B, K, T, E], new values [B, K, E, T]))."""
@@ -193,18 +204,11 @@ def cache_attention(
   n_old = w if old_slots is None else min(old_slots, w)
   start = jnp.clip(start_B, 0, slots - t).astype(jnp.int32)
   win = jnp.zeros_like(start) if window_B is None else jnp.clip(window_B, 0, slots - w)
-  rel = start - win  # the new entries' first column of the mask
-  cols_BT = jnp.minimum(rel[:, None] + jnp.arange(t)[None, :], w - 1)
-  new_mask = jnp.take_along_axis(mask_BRW, cols_BT[:, None, :], axis=2)
-  new_mask = jnp.pad(new_mask, ((0, 0), (0, 0), (0, (1 << max(t - 1, 0).bit_length()) - t)))
   bs = block_slots(slots, h // kv, e, block_s)
   nb = -(-n_old // bs)
-  # the old slots' mask, column c = window column c - bs (a block moved back inside the cache
-  # reads up to bs columns before its own); the new entries' slots are read from qkv instead
-  rel_BS = jnp.arange(n_old)[None, :] - rel[:, None]
-  old = mask_BRW[..., :n_old] & ~((rel_BS >= 0) & (rel_BS < t))[:, None, :]
-  old = jnp.pad(old, ((0, 0), (0, 0), (bs, (nb + 1) * bs - bs - n_old)))
-  cos, sin = (x[:, :, 0, :] for x in cos_sin)
+  # bs columns on the left (a block moved back inside the cache reads up to bs columns before
+  # its own) and enough on the right for every block
+  mask = jnp.pad(mask_BRW, ((0, 0), (0, 0), (bs, max(w, nb * bs) + bs - w)))
   if write:
     extra_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (cache_k_BKSE, cache_v_BKES)]
   else:
@@ -214,20 +218,18 @@ def cache_attention(
       jax.ShapeDtypeStruct((b, kv, e, t), dt),
     ]
   out = pl.pallas_call(
-    functools.partial(_kernel, h=h, kv=kv, t=t, bs=bs, nb=nb, write=write),
+    functools.partial(_kernel, h=h, kv=kv, t=t, w=w, n_old=n_old, bs=bs, nb=nb, write=write),
     grid=(b, kv, r),
     out_shape=[jax.ShapeDtypeStruct((b, r, h, e), qkv_BTCE.dtype)] + extra_shapes,
-    input_output_aliases={8: 1, 9: 2} if write else {},
+    input_output_aliases={6: 1, 7: 2} if write else {},
     compiler_params=compiler_params(num_warps=4, num_stages=1),
     interpret=interpret,
     name="decode_cache_attention",
   )(
     qkv_BTCE,
-    cos.astype(jnp.float32),
-    sin.astype(jnp.float32),
+    cos_sin_BT2E.astype(jnp.float32),
     rows.astype(jnp.int32),
-    new_mask.astype(jnp.int32),
-    old.astype(jnp.int32),
+    mask.astype(jnp.int32),
     win.astype(jnp.int32),
     start,
     cache_k_BKSE,

@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from lca_jax import backend
-from lca_jax.kernels import lca_attention
+from lca_jax.kernels import decode_fused, lca_attention
 from lca_jax.kernels.tpu_attention import lca_attention_tpu
 from lca_jax.model import boundaries as bnd
 from lca_jax.model import masks, pooling
 from lca_jax.model.attention import blockwise_attention
 from lca_jax.model.config import ModelConfig
-from lca_jax.model.layers import RMSNorm, Stack, dense
+from lca_jax.model.layers import RMSNorm, Stack, dense, out_in
 
 
 class MLPHead(nn.Module):
@@ -175,6 +175,30 @@ class ByteLM(nn.Module):
     """Shared final norm + unembedding, float32, real vocabulary only."""
     out = self.head(self.norm(h_BTD)).astype(jnp.float32)
     return out[..., : self.cfg.n_tokens]
+
+  def decode_logits(self, h_BTD):
+    """``logits`` of a decode step: with the fused decode kernels (``backend``) and at most
+    ``decode_fused.MAX_ROWS`` rows, the final norm and the unembedding in one kernel
+    (``decode_fused.norm_matvec``, the same numerics)."""
+    d = h_BTD.shape[-1]
+    rows = h_BTD.size // d
+    p = nn.unbox(self.variables.get("params", {}))
+    head = p.get("head", {})
+    if not backend.fused_decode_kernels() or rows > decode_fused.MAX_ROWS or "norm" not in p:
+      return self.logits(h_BTD)
+    w, in_out = (
+      (head[out_in("kernel")], False) if out_in("kernel") in head else (head["kernel"], True)
+    )
+    y = decode_fused.norm_matvec(
+      h_BTD.reshape(rows, d),
+      p["norm"]["scale"],
+      w,
+      eps=self.cfg.rms_eps,
+      dtype=self.cfg.dtype,
+      in_out=in_out,
+      interpret=backend.pallas_interpret(),
+    )
+    return y.astype(jnp.float32).reshape(h_BTD.shape[:-1] + (-1,))[..., : self.cfg.n_tokens]
 
   # ---- full forward -------------------------------------------------------------------------
   def __call__(self, ids_BT, doc_BT=None, pos_BT=None, *, train: bool = False):

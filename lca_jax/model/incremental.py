@@ -5,7 +5,7 @@ boundary decisions (``ByteLM.boundary_logits`` + ``boundaries.hard_boundaries``,
 SpaceByte rule ``boundaries.spacebyte_boundaries`` continued from the committed bytes), pooling
 of each group (``pooling.open_group_sums`` / ``group_mean``), the latent LM over closed groups,
 upsampling, the next-byte decoder, the LCA-MBP head under ``masks.lca_mask``, and the shared
-unembedding ``ByteLM.logits``; every stack is ``ByteLM.stack_step`` (the same ``Stack`` with a
+unembedding ``ByteLM.decode_logits``; every stack is ``ByteLM.stack_step`` (the same ``Stack`` with a
 cache). Only the bookkeeping of a cache is written here.
 
 Every stack is causal in byte (or latent) order with values fixed once a byte is processed,
@@ -345,8 +345,8 @@ def _heads(cfg, params, h_BKD, blk: _Block, last_only: bool):
   """Logits of a head at each position ([B, K, V]; None with ``last_only``, where ``h_BKD`` is
   each row's last real byte, see ``_head_input``) and at each row's last real byte ([B, V])."""
   if last_only:
-    return None, _apply(cfg, params, ByteLM.logits, h_BKD)[:, 0]
-  every = _apply(cfg, params, ByteLM.logits, h_BKD)
+    return None, _apply(cfg, params, ByteLM.decode_logits, h_BKD)[:, 0]
+  every = _apply(cfg, params, ByteLM.decode_logits, h_BKD)
   return every, _take(every, blk.last_B)
 
 
@@ -421,7 +421,7 @@ def extend(
   if with_mbp and cfg.n_mlp_mbp:
     mlp = jnp.stack(
       [
-        _apply(cfg, params, ByteLM.logits, _apply(cfg, params, ByteLM.mlp_head, i, h_nt))
+        _apply(cfg, params, ByteLM.decode_logits, _apply(cfg, params, ByteLM.mlp_head, i, h_nt))
         for i in range(cfg.n_mlp_mbp)
       ],
       axis=1,
@@ -472,10 +472,10 @@ def _lca_step(cfg, params, state, blk: _Block, lat: _Latents, new, n_copies, las
   if last_only:  # rows: the last byte, then the copies
     if rows is None:
       h_m = jnp.concatenate([_take(h_m[:, :k], blk.last_B)[:, None], h_m[:, k:]], 1)
-    logits = _apply(cfg, params, ByteLM.logits, h_m)
+    logits = _apply(cfg, params, ByteLM.decode_logits, h_m)
     last_mbp, copies = logits[:, 0], logits[:, 1:]
   else:
-    logits = _apply(cfg, params, ByteLM.logits, h_m)
+    logits = _apply(cfg, params, ByteLM.decode_logits, h_m)
     out["mbp_logits"] = logits[:, :k]
     last_mbp, copies = _take(logits, blk.last_B), logits[:, k:]
   has = blk.has_B
@@ -509,7 +509,7 @@ def mbp_copies(cfg: ModelConfig, params, state: DecodeState, n_copies: int):
   h, _ = _mbp_stack(
     cfg, params, state, m, grp, pos, g, jnp.broadcast_to(jnp.arange(length_cap), g.shape)
   )
-  return _apply(cfg, params, ByteLM.logits, h)
+  return _apply(cfg, params, ByteLM.decode_logits, h)
 
 
 MBP_WINDOW = 128  # cache slots the LCA-MBP head attends per step when every query's keys fit

@@ -244,6 +244,18 @@ def rope_cos_sin(positions_BT, head_dim: int, base: float, max_len: int = 0):
   return jnp.cos(emb), jnp.sin(emb)
 
 
+def rope_rows(positions_BT, head_dim: int, base: float, max_len: int = 0):
+  """``rope_cos_sin``'s values as one array [B, T, 2 E] float32 (cos, then sin), for a kernel
+  that applies RoPE itself (``kernels.decode_attention``): one gather from a stacked table, which
+  XLA shares between the layers of a step."""
+  if max_len > 0:
+    n = max(max_len, positions_BT.shape[1]) + 2
+    table = np.concatenate(rope_tables(n, head_dim, base), axis=-1)
+    return jnp.take(jnp.asarray(table), positions_BT, axis=0, mode="fill", fill_value=jnp.nan)
+  cos, sin = rope_cos_sin(positions_BT, head_dim, base)
+  return jnp.concatenate([cos[:, :, 0], sin[:, :, 0]], axis=-1)
+
+
 def rope(x_BTHE, cos_sin):
   """Rotate-half RoPE of x [B, T, H, E] with ``rope_cos_sin``'s (cos, sin)."""
   cos, sin = cos_sin
@@ -442,7 +454,7 @@ class Attention(nn.Module):
     if qkv is not None and decode_attention.supported(h, kv, e):
       out, new_kv = _attend_cache_kernel(
         qkv.reshape(b, t, h + 2 * kv, e),
-        rope_cos_sin(positions_BT, e, self.rope_base, self.rope_len),
+        rope_rows(positions_BT, e, self.rope_base, self.rope_len),
         KVCache(*cache),
         mask_BTS,
         access,
@@ -504,12 +516,14 @@ def _attend_cache(q_BRHE, k_BTKE, v_BTKE, cache: KVCache, mask_BRS, access: Cach
   return out, new_kv
 
 
-def _attend_cache_kernel(qkv_BTCE, cos_sin, cache: KVCache, mask_BTS, access, rows_BR, n_heads):
-  """``_attend_cache`` of the fused projection's q, k, v (before RoPE) in one Pallas kernel
-  (``kernels.decode_attention``)."""
+def _attend_cache_kernel(
+  qkv_BTCE, cos_sin_BT2E, cache: KVCache, mask_BTS, access, rows_BR, n_heads
+):
+  """``_attend_cache`` of the fused projection's q, k, v (before RoPE: ``rope_rows``'s values
+  ``cos_sin_BT2E``) in one Pallas kernel (``kernels.decode_attention``)."""
   out, new_kv = decode_attention.cache_attention(
     qkv_BTCE,
-    cos_sin,
+    cos_sin_BT2E,
     cache.k,
     cache.v,
     mask_BTS if rows_BR is None else take_rows(mask_BTS, rows_BR),
