@@ -8,7 +8,8 @@ its operands and results, max(FLOPs / dot peak, bytes / HBM bandwidth) at the fr
 ``hardware.Tpu``); a Pallas attention kernel (``estimate.PALLAS_PRODUCTS``) from its query
 operand and the keys it visits per query (``Hints.keys_per_query``). Async copies between HBM
 and on-chip memory (``copy-start``: prefetches that overlap the computation) and the halves
-that wait for async work (``*-done``) cost nothing of their own; every other op but a scalar
+that wait for async work (``*-done``) cost nothing of their own; a dynamic-update-slice or
+scatter outside a fusion moves its update (the buffer is updated in place), a slice its slice; every other op but a scalar
 one (the scalar unit's: loop counters, predicates) adds ``OP_S``.
 
 Loops run their condition and body ``trips`` times: XLA's ``known_trip_count`` when the HLO
@@ -161,6 +162,12 @@ class Walker:
   def cost(self, instr: hlo.Instr) -> Optional[estimate.KernelCost]:
     if instr.name not in self._costs:
       c = estimate.kernel_cost(self.module, instr.name, self.chip, self.hints, self.n_devices)
+      if c is not None and instr.op in estimate.IN_PLACE and len(instr.operands) > 1:
+        # an update in place outside a fusion: reads and writes the update, not the buffer
+        update = hlo.nbytes(self.module.type_of(instr.operands[estimate.IN_PLACE[instr.op]]))
+        c = self._bytes(c, 2.0 * update)
+      elif c is not None and instr.op in estimate.SLICING:  # reads and writes the slice
+        c = self._bytes(c, 2.0 * hlo.nbytes(instr.type))
       if c is not None and instr.op == "custom-call" and _target(instr) == "tpu_custom_call":
         flops = pallas_flops(self.module, instr, self.hints)
         peak = self.chip.bf16_flops
@@ -173,6 +180,15 @@ class Walker:
         )
       self._costs[instr.name] = c
     return self._costs[instr.name]
+
+  def _bytes(self, c: estimate.KernelCost, nbytes: float) -> estimate.KernelCost:
+    bw = self.chip.memory_bytes_per_s
+    return dataclasses.replace(
+      c,
+      bytes=nbytes,
+      memory_s=nbytes / (bw * self.chip.memory_efficiency),
+      floor_s=max(c.flops / self.chip.bf16_flops, nbytes / bw),
+    )
 
   def loop(self, instr: hlo.Instr, branch: str = "max", times: Optional[float] = None) -> Tally:
     """A while loop: condition and body ``times`` times (default: its trip count)."""
