@@ -10,12 +10,15 @@ checked by parsing alone.
 import pytest
 from conftest import load_tool
 
+from lca_jax.bench.serve import is_sampled
+
 pytest.importorskip("httpx")  # the serve extra (requirements.txt has it)
 pytest.importorskip("fastapi")
 
 ROUND_KEYS = {
   "clients",
   "requests",
+  "sampled",
   "errors",
   "error_examples",
   "wall_s",
@@ -43,9 +46,18 @@ def test_bench_serve_tiny(tiny_upstream_checkpoint, capsys):
   for r in out["rounds"]:
     assert set(r) == ROUND_KEYS
     assert r["errors"] == 0 and r["requests"] == 2 * r["clients"]
+    assert r["sampled"] == r["requests"] // 2  # --sampled-share 0.5: every other request
     assert r["bytes"] == 12 * r["requests"]  # ignore_eos: every request generates max_tokens
     assert r["bytes_per_s"] > 0 and r["ttfb_ms_p50"] > 0 and r["per_byte_ms_p50"] >= 0
   assert out["bytes_per_s_ratio"] > 0 and out["ratio_of"] == [1, 3]
+  assert out["sampled_share"] == 0.5 and out["temperature"] == 1.0
+
+
+def test_sampled_share_spreads_evenly():
+  assert [is_sampled(k, 0.5) for k in range(6)] == [False, True] * 3
+  assert sum(is_sampled(k, 0.25) for k in range(40)) == 10
+  assert not any(is_sampled(k, 0.0) for k in range(8))
+  assert all(is_sampled(k, 1.0) for k in range(8))
 
 
 def test_prompts_differ_per_client():
@@ -64,6 +76,9 @@ def test_prompts_differ_per_client():
     (["--checkpoint", "x", "--clients", "256", "--requests", "100"], "--requests"),
     (["--checkpoint", "x", "--max-tokens", "1"], "--max-tokens"),
     (["--checkpoint", "x", "--context", "16", "--max-tokens", "64"], "--context"),
+    (["--checkpoint", "x", "--sampled-share", "1.5"], "--sampled-share"),
+    (["--checkpoint", "x", "--temperature", "0"], "--temperature"),
+    (["--checkpoint", "x", "--server-root", "/nonexistent"], "--server-root"),
     ([], "--checkpoint"),
   ],
 )

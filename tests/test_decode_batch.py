@@ -98,3 +98,34 @@ def test_prompt_logprobs_ignore_padding(model):
   assert np.isnan(p.lp_T[0])
   np.testing.assert_allclose(p.lp_T[1:], want, rtol=0, atol=1e-4 * np.abs(want).max())
   assert (p.top_lp_TK[1:, 0] >= p.top_lp_TK[1:, 1]).all()
+
+
+def test_long_prompt_prefills_in_pieces_between_chunks(model):
+  """A prompt past ``chunked_from`` is fed a piece per ``prefill_step`` while another row
+  decodes: neither row's greedy bytes differ from generate's, and the running row gets a
+  chunk between every two pieces."""
+  batch = SlotBatch(model, GroupKey("ntp", 1), 4, 128, chunked_from=16, piece=8)
+  row = RowParams(budget=12, ignore_eos=True)
+  short, long = ids_of("hello"), ids_of("The quick brown fox jumps over the lazy dog.")
+  batch.admit_many([(0, short, row), (1, long, row)])
+  assert batch.staged == {1}
+  out = {0: [], 1: []}
+  active = np.array([True, False, False, False])
+  pieces = 0
+  while active.any() or batch.staged:
+    if batch.staged:
+      pieces += 1
+      if batch.prefill_step() == 1:
+        active[1] = True
+    if active.any():
+      c = batch.decode(1, active)
+      for i in np.flatnonzero(active):
+        out[i] += [int(x) for x in c.d_KwW[0, i, : c.a_Kw[0, i]]]
+        active[i] = not c.done_w[i]
+  assert pieces == -(-long.size // 8) and not batch.staged
+  for i, text in ((0, "hello"), (1, "The quick brown fox jumps over the lazy dog.")):
+    ref = model.generate(text, max_bytes=12, ignore_eos=True)
+    assert out[i] == [int(x) for x in ref.ids[0]], i
+  batch.admit(2, long, row)
+  batch.discard(2)  # a request that went away while staged
+  assert not batch.staged

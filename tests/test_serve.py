@@ -588,3 +588,18 @@ def test_api_key(small):
     client(small).models.list()
   models = openai.OpenAI(base_url=small.url + "/v1", api_key=KEY, max_retries=0).models.list()
   assert [m.id for m in models] == ["tiny"]
+
+
+def test_long_prompt_is_prefilled_in_pieces(server, model):
+  """A prompt past ``batch.CHUNKED_FROM`` bytes joins the batch a piece at a time; its answer
+  and a short request's running beside it both equal generate's."""
+  long = ("The quick brown fox jumps over the lazy dog. " * 8)[:300]
+  c = client(server)
+  with concurrent.futures.ThreadPoolExecutor(2) as ex:
+    futs = [
+      ex.submit(c.completions.create, model="tiny", prompt=p, max_tokens=30, temperature=0)
+      for p in (long, PROMPTS[0])
+    ]
+    texts = [f.result().choices[0].text for f in futs]
+  assert texts[0] == model.generate(long, max_bytes=30, pad_to=64, budget_pad_to=128).texts[0]
+  assert texts[1] == generate(model, PROMPTS[0], max_bytes=30).texts[0]

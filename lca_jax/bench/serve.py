@@ -1,10 +1,12 @@
 """Load on a running lca-serve: streaming clients in threads, each sending requests one after
-another, and the round's throughput and latency percentiles."""
+another, greedy and sampled mixed in a given share, and the round's throughput and latency
+percentiles."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import threading
 import time
 import urllib.parse
@@ -58,15 +60,38 @@ def one_request(http: httpx.Client, url: str, body: dict) -> dict:
   return {"ttfb_s": first - t0, "span_s": last - first, "bytes": n_bytes, "total_s": last - t0}
 
 
-def run_round(url: str, clients: int, requests: int, body: dict, timeout: float) -> dict:
-  """``clients`` threads, each sending ``requests`` completions of ``body`` (its prompt: the
-  client's item of ``body["prompt"]``); the round's figures."""
+def is_sampled(k: int, share: float) -> bool:
+  """Whether the ``k``-th request of a round samples: ``share`` of them, spread evenly (with
+  0.5 every other one)."""
+  return math.floor((k + 1) * share) > math.floor(k * share)
+
+
+def request_body(body: dict, client: int, k: int, share: float, temperature: float) -> dict:
+  """The ``k``-th request of a round, from ``client``: its prompt (the client's item of
+  ``body["prompt"]``), greedy or sampled at ``temperature`` (seeded by ``k``)."""
+  sampled = is_sampled(k, share)
+  t = temperature if sampled else 0.0
+  return {**body, "prompt": body["prompt"][client], "temperature": t, "seed": k}
+
+
+def run_round(
+  url: str,
+  clients: int,
+  requests: int,
+  body: dict,
+  timeout: float,
+  sampled_share: float = 0.0,
+  temperature: float = 1.0,
+) -> dict:
+  """``clients`` threads, each sending ``requests`` completions of ``body``, ``sampled_share``
+  of them sampled (``request_body``); the round's figures."""
   results = [[] for _ in range(clients)]
 
   def client(i):
     with httpx.Client(timeout=timeout) as http:
-      for _ in range(requests):
-        results[i].append(one_request(http, url, {**body, "prompt": body["prompt"][i]}))
+      for r in range(requests):
+        req = request_body(body, i, i * requests + r, sampled_share, temperature)
+        results[i].append(one_request(http, url, req))
 
   threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
   cpu0 = time.process_time()
@@ -86,6 +111,7 @@ def run_round(url: str, clients: int, requests: int, body: dict, timeout: float)
   return {
     "clients": clients,
     "requests": len(flat),
+    "sampled": sum(is_sampled(k, sampled_share) for k in range(clients * requests)),
     "errors": len(flat) - len(ok),
     "error_examples": sorted({r["error"] for r in flat if "error" in r})[:3],
     "wall_s": wall,
@@ -100,12 +126,25 @@ def run_round(url: str, clients: int, requests: int, body: dict, timeout: float)
   }
 
 
-def run(url: str, client_counts, requests: int, body: dict, timeout: float):
-  """One untimed request (it compiles the mode's programs), then a round per client count:
-  (the model's id, the rounds). SystemExit when the warm-up request fails."""
+def run(
+  url: str,
+  client_counts,
+  requests: int,
+  body: dict,
+  timeout: float,
+  sampled_share: float = 0.0,
+  temperature: float = 1.0,
+):
+  """Untimed requests first (a greedy one, and a sampled one when some sample: they compile
+  what the server did not warm up), then a round per client count: (the model's id, the
+  rounds). SystemExit when a warm-up request fails."""
   with httpx.Client(timeout=timeout) as http:
-    warm = one_request(http, url, {**body, "prompt": body["prompt"][0]})
-    if "error" in warm:
-      raise SystemExit(f"bench_serve: the warm-up request failed: {warm['error']}")
+    for share in (0.0, 1.0) if sampled_share > 0 else (0.0,):  # all greedy, all sampled
+      warm = one_request(http, url, request_body(body, 0, 0, share, temperature))
+      if "error" in warm:
+        raise SystemExit(f"bench_serve: the warm-up request failed: {warm['error']}")
     model = http.get(url + "/v1/models").json()["data"][0]["id"]
-  return model, [run_round(url, c, requests, body, timeout) for c in client_counts]
+  rounds = [
+    run_round(url, c, requests, body, timeout, sampled_share, temperature) for c in client_counts
+  ]
+  return model, rounds

@@ -14,7 +14,10 @@ a chunk that also samples takes the argmax of the raw logits, as a greedy progra
 so one batch per value: the mode and ``n`` (``GroupKey``). A chunk whose active rows are all
 greedy runs the greedy program (no draws), any other the sampled one; a chunk with a row that
 asked for log-probabilities (ntp only) records each committed byte's log-probability and the
-``TOP_LOGPROBS`` most likely bytes of its step (of the raw logits).
+``TOP_LOGPROBS`` most likely bytes of its step (of the raw logits). A prompt longer than
+``CHUNKED_FROM`` bytes is prefilled ``PREFILL_PIECE`` bytes at a time (``prefill_step``, one
+piece between two decode chunks, in caches of its own until it is whole), so that it delays
+the running rows by one piece at a time, not by its whole prefill.
 
 A chunk decodes only the first w slots, w the smallest of ``widths(B)`` (1, 2, 4, ..., B) that
 holds every active row (the scheduler fills the lowest free slot first): one request alone
@@ -51,6 +54,8 @@ from lca_jax.model.kv_cache import KVCache
 
 MIN_BUCKET = 16  # the shortest padded prompt
 ADMIT_ROWS = (1, 4)  # prompts one prefill takes (padded with dropped rows)
+CHUNKED_FROM = 256  # longer prompts prefill a piece at a time, between decode chunks
+PREFILL_PIECE = 64  # bytes of such a prompt one piece feeds
 SPAN_FROM = 256  # caches of this many slots or more may be read a quarter at a time
 TOP_LOGPROBS = 20  # most likely bytes a log-probability chunk records per step
 
@@ -173,8 +178,18 @@ class SlotBatch:
   generation per row; at most the model's ``max_seq_len``). ``on_compile(group, name,
   seconds)`` is called after each program it compiles."""
 
-  def __init__(self, model, group: GroupKey, batch: int, context: int, on_compile=None):
+  def __init__(
+    self,
+    model,
+    group: GroupKey,
+    batch: int,
+    context: int,
+    on_compile=None,
+    chunked_from: int = CHUNKED_FROM,
+    piece: int = PREFILL_PIECE,
+  ):
     self.model, self.group, self.batch, self.context = model, group, batch, context
+    self.chunked_from, self.piece = chunked_from, piece
     cfg = model.cfg
     policy = POLICIES[group.mode]
     source = ("mlp" if cfg.n_mlp_mbp else "lca") if policy.multi_byte else ""
@@ -183,13 +198,16 @@ class SlotBatch:
     self.plan = self.plans[True]
     self.length = max(buckets(context)[-1], context) + 2 * self.plan.width + 1
     self.on_compile = on_compile
-    n_programs = len(buckets(context)) * len(ADMIT_ROWS) + 4 * len(widths(batch)) * 2 + 1
+    n_programs = len(buckets(context)) * len(ADMIT_ROWS) + 4 * len(widths(batch)) * 2 + 4
     self._exe = ExecutableCache(capacity=n_programs)
     self.params = weights.for_model(model, self.plan)
     self.slots = self._empty()
     self._lengths = np.zeros((batch,), np.int64)  # each slot's committed bytes (host copy)
     self._greedy = np.ones((batch,), bool)  # each slot's request is greedy (host copy)
     self._logprobs = np.zeros((batch,), bool)  # ... asked for log-probabilities
+    # slot -> [caches of its prompt so far (1 row; None before the first piece), prompt ids,
+    # bytes fed, RowParams]: long prompts being prefilled a piece at a time, FIFO
+    self._staged = {}
 
   # ---- programs ----------------------------------------------------------------------------
   def _compiled(self, name, fn, args, donate=()):
@@ -240,6 +258,23 @@ class SlotBatch:
       plan.policy.target_mbp,
       plan.copies_in_extend,
     )
+    return self._place_fn(s, idx_m, st_m, rows)
+
+  def _piece_fn(self, params, st, piece_1W, k_1):
+    """The caches of one prompt after one more piece (``st`` None: its first piece)."""
+    cfg, plan = self.model.cfg, self.plan
+    p = self._weights(params)
+    fresh = st is None
+    if fresh:
+      st = incremental.init_state(
+        cfg, p, 1, self.length, plan.policy.target_mbp, plan.copies_in_extend
+      )
+    with_mbp, copies = plan.policy.target_mbp, plan.copies_in_extend
+    return incremental.extend(cfg, p, st, piece_1W, k_1, with_mbp, copies, True, fresh)[0]
+
+  def _place_fn(self, s: Slots, idx_m, st_m, rows):
+    """``s`` with the prefilled caches ``st_m`` and the parameters ``rows`` in slots
+    ``idx_m``."""
     # rows of idx B (padding) fall outside the batch and are dropped
     at = lambda x, v: x.at[idx_m].set(jnp.asarray(v).astype(x.dtype), mode="drop")
     st = jax.tree_util.tree_map(at, s.st, st_m)
@@ -337,9 +372,14 @@ class SlotBatch:
   def admit_many(self, entries):
     """Prefill each ``(slot, prompt_ids, RowParams)`` of ``entries`` into its (free) slot: the
     prompts of one bucket ``ADMIT_ROWS`` at a time (one prefill of several rows costs little
-    more than one of a row)."""
+    more than one of a row). A prompt longer than ``chunked_from`` bytes is only staged: it
+    is fed a piece at a time by ``prefill_step``, and its slot decodes once it is in."""
     by_bucket = {}
     for e in entries:
+      if e[1].size > self.chunked_from:
+        self._note(*e)
+        self._staged[e[0]] = [None, e[1], 0, e[2]]
+        continue
       by_bucket.setdefault(bucket_of(int(e[1].size), self.context), []).append(e)
     for bucket, todo in sorted(by_bucket.items()):
       m = ADMIT_ROWS[-1] if len(todo) > 1 else 1
@@ -355,10 +395,19 @@ class SlotBatch:
     for r, (i, ids, row) in enumerate(entries):
       prompt[r, : ids.size] = ids
       plen[r], idx[r], rows[r] = ids.size, i, row
-      self._lengths[i] = ids.size
-      self._greedy[i] = row.temperature == 0
-      self._logprobs[i] = row.logprobs
-    vals = (
+      self._note(i, ids, row)
+    args = (self.params, self.slots, idx, prompt, plen, self._row_values(rows))
+    exe = self._compiled(("admit", bucket, m), self._admit_fn, args, donate=(1,))
+    self.slots = exe(*args)
+
+  def _note(self, i: int, ids: np.ndarray, row: RowParams):
+    self._lengths[i] = ids.size
+    self._greedy[i] = row.temperature == 0
+    self._logprobs[i] = row.logprobs
+
+  @staticmethod
+  def _row_values(rows):
+    return (
       np.array([x.budget for x in rows], np.int32),
       np.array([x.ignore_eos for x in rows], bool),
       np.stack([seed_key_words(x.seed) for x in rows]),
@@ -367,9 +416,41 @@ class SlotBatch:
       np.array([x.top_k for x in rows], np.int32),
       np.array([x.top_p for x in rows], np.float32),
     )
-    args = (self.params, self.slots, idx, prompt, plen, vals)
-    exe = self._compiled(("admit", bucket, m), self._admit_fn, args, donate=(1,))
-    self.slots = exe(*args)
+
+  @property
+  def staged(self) -> frozenset:
+    """The slots whose prompts are still being prefilled (not decoded yet)."""
+    return frozenset(self._staged)
+
+  def discard(self, i: int):
+    """Forget slot ``i``'s staged prompt (its request went away)."""
+    self._staged.pop(i, None)
+
+  def prefill_step(self) -> Optional[int]:
+    """Feed one piece (``piece`` bytes) of the first staged prompt; its slot when that prompt
+    is now wholly in (the slot decodes from the next chunk), else None."""
+    if not self._staged:
+      return None
+    i = next(iter(self._staged))
+    entry = self._staged[i]
+    st, ids, pos, row = entry
+    n = min(self.piece, ids.size - pos)
+    buf = np.full((1, self.piece), vocab.BYTE_OFFSET, np.int32)
+    buf[0, :n] = ids[pos : pos + n]
+    k = np.array([n], np.int32)
+    if st is None:
+      fn = lambda params, piece, k: self._piece_fn(params, None, piece, k)
+      st = self._compiled(("piece", True), fn, (self.params, buf, k))(self.params, buf, k)
+    else:
+      args = (self.params, st, buf, k)
+      st = self._compiled(("piece", False), self._piece_fn, args, donate=(1,))(*args)
+    entry[0], entry[2] = st, pos + n
+    if entry[2] < ids.size:
+      return None
+    del self._staged[i]
+    args = (self.slots, np.array([i], np.int32), st, self._row_values([row]))
+    self.slots = self._compiled(("place",), self._place_fn, args, donate=(0,))(*args)
+    return i
 
   def decode(
     self,
@@ -414,9 +495,16 @@ class SlotBatch:
     greedy program and (``sampled``) the sampled one (nothing is decoded: the admitted rows
     are never activated)."""
     for b in buckets(self.context):
+      if b > bucket_of(min(self.chunked_from, self.context - 1), self.context):
+        break  # longer prompts are fed in pieces
       ids = np.full((min(b, self.context - 1),), vocab.BYTE_OFFSET, np.int32)
       for m in ADMIT_ROWS:
         self._admit_rows(b, m, [(0, ids, RowParams(1))])
+    if self.context - 1 > self.chunked_from:  # the pieces' programs
+      ids = np.full((self.piece + 1,), vocab.BYTE_OFFSET, np.int32)
+      self._staged[0] = [None, ids, 0, RowParams(1)]
+      while self.prefill_step() is None:
+        pass
     for greedy in (True, False) if sampled else (True,):
       for w in widths(self.batch):
         for n in spans(self.length):

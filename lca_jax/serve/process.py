@@ -42,14 +42,21 @@ def get_json(url: str, timeout: float = 5.0):
 
 class ServerProcess:
   """``python -m lca_jax.cli.serve --checkpoint DIR --port P ARGS`` with its log in a temp file;
-  ``start`` waits until ``/health`` answers 200. A context manager: ``stop`` on exit."""
+  ``start`` waits until ``/health`` answers 200. A context manager: ``stop`` on exit. ``cwd``:
+  the directory it runs in (``python -m`` imports ``lca_jax`` from there first)."""
 
-  def __init__(self, checkpoint: str, args: Sequence[str] = (), env: Optional[dict] = None):
+  def __init__(
+    self,
+    checkpoint: str,
+    args: Sequence[str] = (),
+    env: Optional[dict] = None,
+    cwd: Optional[str] = None,
+  ):
     self.port = free_port()
     self.url = f"http://{LOOPBACK}:{self.port}"
     self.cmd = [sys.executable, "-m", "lca_jax.cli.serve", "--checkpoint", checkpoint]
     self.cmd += ["--host", LOOPBACK, "--port", str(self.port), *args]
-    self.env = env
+    self.env, self.cwd = env, cwd
     self.proc: Optional[subprocess.Popen] = None
     self.log = tempfile.NamedTemporaryFile(prefix="lca-serve-", suffix=".log", delete=False)
 
@@ -60,7 +67,11 @@ class ServerProcess:
   def launch(self):
     """Start the process (``wait`` for it to answer)."""
     self.proc = subprocess.Popen(
-      self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env or dict(os.environ)
+      self.cmd,
+      stdout=self.log,
+      stderr=subprocess.STDOUT,
+      env=self.env or dict(os.environ),
+      cwd=self.cwd,
     )
 
   def wait(self, timeout: float = 300.0) -> "ServerProcess":

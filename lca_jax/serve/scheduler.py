@@ -3,8 +3,9 @@ thread.
 
 A request's choices (prompts x ``n``) become ``Job``s in a bounded FIFO queue (``submit``
 refuses past ``max_queue`` waiting jobs: the app answers 429). The scheduler thread loops:
-admit waiting jobs into free slots (a prefill each), then run one decode chunk (``chunk_steps``
-steps) of each batch that has active rows, deliver the bytes each row committed, finish rows
+admit waiting jobs into free slots (a prefill each; a long prompt one piece per turn, see
+``SlotBatch.prefill_step``), then run one decode chunk (``chunk_steps`` steps) of each batch
+that has active rows, deliver the bytes each row committed, finish rows
 (eos, their byte budget, a stop string, ``request_timeout``) and free the slots of finished and
 cancelled jobs (a client that disconnected) before the next chunk, where new jobs join.
 
@@ -164,7 +165,9 @@ class _Group:
     return sum(j is not None for j in self.jobs)
 
   def active(self) -> np.ndarray:
-    return np.array([j is not None for j in self.jobs], bool)
+    """The slots that decode: a job's, its prompt wholly prefilled."""
+    staged = self.batch.staged
+    return np.array([j is not None and i not in staged for i, j in enumerate(self.jobs)], bool)
 
 
 class Scheduler:
@@ -247,6 +250,8 @@ class Scheduler:
             break
         self._admit()
         for g in list(self._groups.values()):
+          if g.batch.staged:  # one piece of a long prompt between two chunks
+            g.batch.prefill_step()
           if g.n_active:
             self._chunk(g)
             self._admit()
@@ -332,6 +337,7 @@ class Scheduler:
 
   def _free(self, g: _Group, i: int):
     g.jobs[i] = None
+    g.batch.discard(i)
     self.n_active -= 1
     self.metrics.running.set(self.n_active)
 
@@ -352,7 +358,7 @@ class Scheduler:
     now = time.monotonic()
     n_bytes = cand = acc = 0
     for i, j in enumerate(g.jobs[: c.width]):
-      if j is None:
+      if not active[i]:
         continue
       a = c.a_Kw[: c.steps, i]
       ids, lps = [], [] if j.logprobs is not None else None
