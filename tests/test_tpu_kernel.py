@@ -121,3 +121,18 @@ def test_forward_and_backward_compile_for_tpus_without_one(name):
     )
   text = lowered.compile().as_text()
   assert text.count('custom_call_target="tpu_custom_call"') == 3  # forward, dq, dk/dv
+
+
+def test_under_a_mesh_the_kernel_runs_per_device_over_every_axis():
+  B, T, H, KV, D = 2, 128, 2, 2, 8
+  q, k, v, seg, doc = _inputs(B, T, H, KV, D, seed=3)
+  mesh = jax.make_mesh((1, 2, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:2])
+  f = jax.jit(
+    lambda q, k, v: tpu_attention.lca_attention_tpu(q, k, v, seg, doc_ids=doc, interpret=True)
+  )
+  with jax.set_mesh(mesh):
+    _close(f(q, k, v), lca_attention_reference(q, k, v, seg, doc), 1e-5)
+    assert "shard_map" in str(jax.make_jaxpr(f)(q, k, v))
+  odd = jax.make_mesh((2, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:2])
+  with jax.set_mesh(odd), pytest.raises(ValueError, match="split"):
+    tpu_attention.lca_attention_tpu(q[:1], k[:1], v[:1], seg[:1], interpret=True)

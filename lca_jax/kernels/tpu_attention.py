@@ -20,6 +20,8 @@ The softmax is online (FlashAttention-2) with the natural-log ``lse`` saved for 
 pass, [B, H, 1, T] (a lane-dense row per head); fully masked rows (padding) get ``lse`` -1e30,
 output zeros and zero gradients. ``T`` is padded to a multiple of the block (padded positions
 behave like doc id 0). ``interpret=True`` runs the kernels in Pallas' interpreter (CPU tests).
+Under a multi-device mesh the call runs per device in a ``jax.shard_map`` over every mesh axis
+(batch and heads split as for the GPU kernels, ``sharded.kernel_partition``).
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
 
+from . import sharded
 from .lca_attention import key_block_query_bounds, query_block_key_bounds
 from .reference import lca_key_start
-from .sharded import shard_over_mesh
 
 BLOCK = 128  # rows per block: a multiple of the TPU's 128 lanes (lse rows, score tiles)
 _M_INIT = -1e30  # finite: ``m_prev - m_next`` never gives inf - inf
@@ -339,7 +342,7 @@ def lca_attention_tpu(
   """LCA-masked attention through the TPU kernels (arguments as ``lca_attention.lca_attention``:
   q [B, T, H, D], k and v [B, T, KV, D], int segment_ids [B, T], optional doc_ids with 0 for
   padding); ``block`` rows per query and key block (a multiple of 128). Under a multi-device
-  mesh the call runs per device (``sharded.shard_over_mesh``) unless ``shard`` is False."""
+  mesh the call runs per device (``_per_device``) unless ``shard`` is False."""
   if block < BLOCK or block % BLOCK:
     raise ValueError(f"block must be a multiple of {BLOCK}, got {block}")
   B, T, H, D = q.shape
@@ -351,6 +354,33 @@ def lca_attention_tpu(
     raise ValueError(f"segment_ids and doc_ids must be [B, T] = {(B, T)}")
   scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
   kernel = functools.partial(_attention, block=block, scale=scale, interpret=interpret)
-  if not shard:
+  mesh = sharded.active_mesh() if shard else None
+  if mesh is None:
     return kernel(q, k, v, segment_ids, doc_ids)
-  return shard_over_mesh(kernel, q, k, v, segment_ids, doc_ids)
+  return _per_device(mesh, kernel, q, k, v, segment_ids, doc_ids)
+
+
+def _per_device(mesh, kernel, q, k, v, segment_ids, doc_ids):
+  """``kernel`` per device under ``mesh``: batch and heads split as ``sharded.kernel_partition``
+  says, in a ``jax.shard_map`` whose every axis is manual (Mosaic kernels take no automatic
+  partitioning, unlike ``sharded.shard_over_mesh``'s partly manual one); an axis of size > 1
+  that splits neither would hold copies of the call, which is refused."""
+  b_axes, h_axes = sharded.kernel_partition(mesh, q.shape[0], q.shape[2], k.shape[2])
+  idle = [a for a, n in dict(mesh.shape).items() if n > 1 and a not in b_axes + h_axes]
+  if idle:
+    raise ValueError(
+      f"the TPU attention kernel splits the batch or heads over every mesh axis; {idle} split "
+      f"neither (batch {q.shape[0]}, heads {q.shape[2]} / {k.shape[2]})"
+    )
+  entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes
+  qkv, ids = P(entry(b_axes), None, entry(h_axes), None), P(entry(b_axes), None)
+  if doc_ids is None:
+    body = lambda q, k, v, seg: kernel(q, k, v, seg, None)
+    args, in_specs = (q, k, v, segment_ids), (qkv, qkv, qkv, ids)
+  else:
+    body, args, in_specs = kernel, (q, k, v, segment_ids, doc_ids), (qkv, qkv, qkv, ids, ids)
+  if mesh.explicit_axes:
+    q_spec = jax.typeof(q).sharding.spec
+    args = tuple(jax.sharding.reshard(x, spec) for x, spec in zip(args, in_specs))
+  out = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=qkv, check_vma=False)(*args)
+  return jax.sharding.reshard(out, q_spec) if mesh.explicit_axes else out
