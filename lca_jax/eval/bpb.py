@@ -29,7 +29,7 @@ PERCENTILES = (10, 50, 90, 99)
 @functools.lru_cache(maxsize=8)
 def _sums_fn(cfg):
   """One jitted forward + CE sums per model config (reused across calls and batches; the last
-  few configs only: each jit keeps its executables, see ``decode.engine._ExecutableCache``)."""
+  few configs only: each jit keeps its executables, see ``decode.executables.ExecutableCache``)."""
   module = ByteLM(cfg)
   return jax.jit(lambda params, batch: _sums(module, params, batch))
 
