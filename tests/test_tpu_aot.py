@@ -344,7 +344,7 @@ def test_fit_search_tries_the_predicted_micro_batch_then_halves_then_remat(monke
   config.train.micro_batch_size = 16
   tried = []
 
-  def fake(c, target, which, work):
+  def fake(c, target, which, work, hlo_dir=None):
     rows, remat = c.train.micro_batch_size, c.model.remat
     tried.append((rows, remat))
     temp = (4.0 if remat else 4.5) * rows  # GB: 72 at 16 rows, 16 GB chips
@@ -357,3 +357,19 @@ def test_fit_search_tries_the_predicted_micro_batch_then_halves_then_remat(monke
   out = check.fit_search(config, targets.parse("v5e"), first)
   # 15 GB of room / 4.5 GB per row -> 3.3 rows -> 2 (fits: 10 GB); then 16 rows with remat
   assert tried == [(2, False), (16, True)] and out[0]["memory"]["fits"]
+
+
+def test_a_padded_window_convolution_counts_only_the_taps_over_its_input():
+  # XLA:TPU's projection to 8 heads of 128: a window of 8 over an input dimension of 1, padded
+  # 7 on each side, so each output position meets the input at one tap: 1024 products each
+  text = """\
+HloModule m
+
+ENTRY %main (a: bf16[16,64,1024,1], b: bf16[8,128,1024,1]) -> bf16[16,64,8,128] {
+  %a = bf16[16,64,1024,1] parameter(0)
+  %b = bf16[8,128,1024,1] parameter(1)
+  ROOT %c = bf16[16,64,8,128] convolution(%a, %b), window={size=1x8 pad=0_0x7_7 rhs_reversal=0x1}, dim_labels=0bf1_1oi0->0b1f
+}
+"""
+  s = tpu.program_estimate(text, hardware.tpu("v5p"), op_s=0.0)
+  assert s["flops"] == pytest.approx(2 * 16 * 64 * 1024 * 1024)

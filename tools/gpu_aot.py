@@ -82,6 +82,7 @@ def _parser(kind: str, description: str):
   )
   p.add_argument("--decode", default="all", choices=sorted(DECODE_SETS), help="decode programs")
   p.add_argument("--out", default="", help="also write the JSON here")
+  p.add_argument("--hlo-dir", default="", help="also write each program's optimized HLO here")
   p.add_argument(
     "--bytes-per-group", type=float, default=0.0, help="estimate: bytes per group (0: 1/bp_prior)"
   )
@@ -145,6 +146,7 @@ def main(argv=None, kind: str = "gpu", description: str = "") -> int:
       log,
       work,
       fit=args.fit,
+      hlo_dir=args.hlo_dir or None,
     )
   except (LcaError, ValueError) as e:
     print(f"{tool}: error: {e}", file=sys.stderr)

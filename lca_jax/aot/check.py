@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
+from typing import Optional
 
 import jax
 
@@ -73,13 +74,19 @@ def estimate_program(program, target, hlo_text, seq, meta, work: Workload = Work
 
 
 def check(
-  program: programs.Program, target: targets.Target, options=None, work: Workload = Workload()
+  program: programs.Program,
+  target: targets.Target,
+  options=None,
+  work: Workload = Workload(),
+  hlo_dir: Optional[str] = None,
 ) -> dict:
   """The report of ``program`` compiled for ``target`` with XLA ``options`` (default: those
   the program runs with: the decode options for a decode program, none for the others), with
-  the time estimate under ``work``. A TPU target's report is ``tpu_check.check``'s."""
+  the time estimate under ``work``. A TPU target's report is ``tpu_check.check``'s. With
+  ``hlo_dir``, the optimized HLO is also written there (``report.save_hlo``: to estimate again
+  without compiling)."""
   if target.platform == "tpu":
-    return tpu_check.check(program, target, work)
+    return tpu_check.check(program, target, work, hlo_dir)
   if options is None:
     with backend.target("gpu"):
       options = (xla_options.decode_options() or {}) if program.decode else {}
@@ -96,6 +103,7 @@ def check(
   out.update(lower_s=round(program.lower_s, 2), compile_s=round(seconds, 2))
   out["memory"] = report.memory(compiled, target.memory_bytes, program.state_bytes)
   hlo_text = compiled.as_text()
+  report.save_hlo(hlo_dir, out, hlo_text)
   out.update(report.hlo_summary(hlo_text, program.seq_len))
   if program.decode:
     out["step"] = report.decode_step(seq, program.bytes_per_step)
@@ -107,11 +115,15 @@ def check(
 
 
 def train_reports(
-  config, target: targets.Target, which=("train_step", "eval_step"), work: Workload = Workload()
+  config,
+  target: targets.Target,
+  which=("train_step", "eval_step"),
+  work: Workload = Workload(),
+  hlo_dir: Optional[str] = None,
 ) -> list:
   """Reports of the train and eval steps ``lca-train`` runs for ``config`` on ``target``."""
   progs = programs.train_programs(config, targets.devices(target))
-  return [check(p, target, work=work) for p in progs if p.name in which]
+  return [check(p, target, work=work, hlo_dir=hlo_dir) for p in progs if p.name in which]
 
 
 def decode_reports(
@@ -121,6 +133,7 @@ def decode_reports(
   prompt_len: int = 256,
   max_bytes: int = 256,
   work: Workload = Workload(),
+  hlo_dir: Optional[str] = None,
 ) -> list:
   """Reports of the decode programs of ``cases``: dicts of ``generate`` options with a
   ``batch`` (e.g. ``dict(batch=1, mode="verify", n=3)``), on one device of ``target``."""
@@ -133,11 +146,11 @@ def decode_reports(
     p = programs.decode_program(
       cfg, device, batch=batch, prompt_len=prompt_len, max_bytes=max_bytes, **case
     )
-    out.append(check(p, one, work=work))
+    out.append(check(p, one, work=work, hlo_dir=hlo_dir))
   return out
 
 
-def fit_search(config, target, first: dict, work: Workload = Workload()) -> list:
+def fit_search(config, target, first: dict, work: Workload = Workload(), hlo_dir=None) -> list:
   """Train step reports of the settings tried after ``first`` (``config``'s, which does not
   fit): the micro-batch that its temporaries predict would fit (temporaries taken as
   proportional to the rows, rounded down to a power of two), halved until one fits, without
@@ -152,14 +165,14 @@ def fit_search(config, target, first: dict, work: Workload = Workload()) -> list
   while rows >= 1:
     c = config.copy_and_resolve_references()
     c.train.micro_batch_size = rows * target.n_devices
-    out += train_reports(c, target, ("train_step",), work)
+    out += train_reports(c, target, ("train_step",), work, hlo_dir)
     if out[-1]["memory"]["fits"]:
       break
     rows //= 2
   if (not out or out[-1]["micro_batch_per_device"] < per_device) and not config.model.remat:
     c = config.copy_and_resolve_references()
     c.model.remat = True
-    out += train_reports(c, target, ("train_step",), work)
+    out += train_reports(c, target, ("train_step",), work, hlo_dir)
   return out
 
 
@@ -183,6 +196,7 @@ def suite(
   log=None,
   work: Workload = Workload(),
   fit: bool = False,
+  hlo_dir: Optional[str] = None,
 ) -> list:
   """Reports of every production program of ``config`` for each target (a GPU or TPU name): the
   train step per attention implementation and device count (``micro_per_gpu`` rows per GPU or
@@ -206,10 +220,10 @@ def suite(
         c.train.micro_batch_size = micro_per_gpu * target.n_devices
         first = impl == impls[0] and n == gpu_counts[0]
         which = ("train_step", "eval_step") if first else ("train_step",)
-        reports = train_reports(c, target, which, work)
+        reports = train_reports(c, target, which, work, hlo_dir)
         add(reports)
         if fit and not reports[0]["memory"]["fits"]:
-          add(fit_search(c, target, reports[0], work))
+          add(fit_search(c, target, reports[0], work, hlo_dir))
     cfg = ModelConfig.from_dict(config.model.to_dict())
-    add(decode_reports(cfg, targets.parse(name).one(), decode_cases, work=work))
+    add(decode_reports(cfg, targets.parse(name).one(), decode_cases, work=work, hlo_dir=hlo_dir))
   return out

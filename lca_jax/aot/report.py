@@ -107,6 +107,20 @@ def memory(compiled, device_bytes: int, state_bytes: int, fraction: Optional[flo
   )
 
 
+def save_hlo(hlo_dir, r: dict, hlo_text: str) -> None:
+  """Write ``hlo_text`` to ``hlo_dir`` (when given) as TARGET_PROGRAM[_IMPL].hlo, its path in
+  ``r["hlo_file"]``."""
+  if not hlo_dir:
+    return
+  os.makedirs(hlo_dir, exist_ok=True)
+  impl = r.get("attention_impl") if r["program"] in ("train_step", "eval_step") else None
+  name = "_".join(x for x in (r["target"], r["program"], impl) if x)
+  path = os.path.join(hlo_dir, re.sub(r"[^\w.\-]", "_", name) + ".hlo")
+  with open(path, "w") as f:
+    f.write(hlo_text)
+  r["hlo_file"] = path
+
+
 def _fusion_bodies(comps: Dict[str, List[str]]) -> set:
   """Names of the computations that are fusion bodies (their values live in registers)."""
   out = set()

@@ -73,8 +73,9 @@ def estimate_program(program, target, compiled, hlo_text: str, work) -> dict:
   return rates.train_estimate(program, target.n_devices, chip, s, work, hints, constants)
 
 
-def check(program, target, work) -> dict:
-  """The report of ``program`` compiled for TPU ``target`` (module docstring)."""
+def check(program, target, work, hlo_dir=None) -> dict:
+  """The report of ``program`` compiled for TPU ``target`` (module docstring); with
+  ``hlo_dir``, its optimized HLO written there (``report.save_hlo``)."""
   out = dict(program=program.name, target=str(target), device=target.device_name, unit="chip")
   t0 = time.perf_counter()
   with backend.target("tpu"):
@@ -84,6 +85,7 @@ def check(program, target, work) -> dict:
   out.update(lower_s=round(program.lower_s, 2), compile_s=round(seconds, 2))
   out["memory"] = memory(compiled, target.memory_bytes, program.state_bytes)
   hlo_text = compiled.as_text()
+  report.save_hlo(hlo_dir, out, hlo_text)
   out.update(report.hlo_summary(hlo_text, program.seq_len))
   if program.cfg is not None:
     out["estimate"] = estimate_program(program, target, compiled, hlo_text, work)

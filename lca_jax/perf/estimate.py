@@ -63,6 +63,8 @@ CATEGORIES = ("gemm", "attention", "elementwise", "copy", "collective", "launch"
 ATTENTION_SCOPES = ("/attn/", "lca_attention", "blockwise_attention", "dot_product_attention")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _CONV_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
+_CONV_LHS = re.compile(r"dim_labels=(\w+)_")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
 _CUBLAS_CONTRACT = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _CAUSAL = re.compile(r'"mask_type":\s*"CAUSAL"')  # cuDNN attention's backend config
@@ -120,7 +122,37 @@ def _dot_flops(module: hlo.Module, instr: hlo.Instr) -> Tuple[float, str, bool]:
     o = labels.group(1).find("o") if labels else -1
     out_features = rhs_dims[o] if 0 <= o < len(rhs_dims) else (instr.shape or (1,))[-1]
     k = math.prod(rhs_dims) / max(out_features, 1) if rhs else 1
+    taps = _window_taps(instr, dims, labels)
+    if taps is not None:  # a padded window: only the taps over the input multiply
+      return 2.0 * out * k * taps, dtype, "highest" in instr.attrs
   return 2.0 * out * k, dtype, "highest" in instr.attrs
+
+
+def _window_taps(instr: hlo.Instr, lhs_dims, labels) -> Optional[float]:
+  """For a convolution whose window is padded (XLA:TPU writes some projections as a window of
+  8 over a dimension of 1, padded 7 on each side): the fraction of window taps, averaged over
+  the output positions, that fall on the input rather than on padding (stride 1, no dilation);
+  None when nothing is padded or the window is not of that form."""
+  window = _WINDOW.search(instr.attrs)
+  if window is None or "pad=" not in window.group(1) or labels is None or "dilate" in instr.attrs:
+    return None
+  fields = dict(f.split("=", 1) for f in window.group(1).split() if "=" in f)
+  if "stride" in fields or "size" not in fields:
+    return None
+  sizes = [int(x) for x in fields["size"].split("x")]
+  pads = [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")]
+  lhs_labels = _CONV_LHS.search(instr.attrs)
+  if lhs_labels is None or len(sizes) != len(pads):
+    return None
+  fraction = 1.0
+  for d, (w, (lo, hi)) in enumerate(zip(sizes, pads)):
+    n = lhs_dims[lhs_labels.group(1).index(str(d))]
+    positions = n + lo + hi - w + 1
+    if positions <= 0:
+      return None
+    hits = sum(min(positions - 1, x + lo) - max(0, x + lo - w + 1) + 1 for x in range(n))
+    fraction *= hits / (positions * w)
+  return fraction
 
 
 def _custom_call_flops(module: hlo.Module, instr: hlo.Instr, path: str, hints: Hints):
