@@ -95,6 +95,8 @@ ENTRY %main (a: bf16[64,128], b: bf16[128,256], c: f32[16,1024], i: s32[], v: f3
   %pallas = bf16[2,128,4,64]{3,2,1,0} custom-call(%i.2, %q), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/mbp/attn/lca_attention_fwd/pallas_call"}
   %fmha = (bf16[2,4,128,64]{3,1,2,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"mask_type": "CAUSAL"}}
   %fmha.full = (bf16[2,4,128,64]{3,1,2,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"mask_type":"NO_MASK"}}
+  %dec = (bf16[2,128,4,64]{3,2,1,0}, f32[16,1024]{1,0}) custom-call(%q, %c), custom_call_target="__gpu$xla.gpu.triton", output_to_operand_aliasing={{1}: (1, {})}, metadata={op_name="jit(f)/layer_0/attn/jit(cache_attention)/decode_cache_attention/pallas_call"}
+  %wr = f32[16,1024]{1,0} custom-call(%q, %c), custom_call_target="__gpu$xla.gpu.triton", output_to_operand_aliasing={{}: (1, {})}, metadata={op_name="jit(f)/jit(write_slots)/decode_write_slots/pallas_call"}
   ROOT %out = f32[16,1024]{1,0} copy(%cp)
 }
 """
@@ -165,6 +167,12 @@ def test_kernels_are_priced_from_their_flops_and_bytes():
   assert cost("fmha.full").flops == 2 * 2 * 2 * 4 * 128 * 128 * 64
   assert cost("fmha").flops == cost("fmha.full").flops / 2 and cost("fmha").category == "attention"
   assert estimate.kernel_cost(m, "not_there", GPU, estimate.Hints()) is None
+  # an in-place write reads and writes its other operands; the decode attention kernel also
+  # reads the cache it writes into, and writes its output
+  q_bytes, cache_bytes = 2 * 128 * 4 * 64 * 2, 16 * 1024 * 4
+  assert cost("wr").bytes == 2 * q_bytes
+  assert cost("dec").bytes == q_bytes + cache_bytes + q_bytes
+  assert cost("dec").category == "attention"
 
 
 def test_the_walk_runs_loops_by_trip_count_and_launches_in_graphs_cheaply():

@@ -45,6 +45,9 @@ from lca_jax.perf.hardware import Gpu, Launch
 PALLAS_PRODUCTS = {"lca_attention_fwd": 2, "lca_attention_bwd_dq": 3, "lca_attention_bwd_dkdv": 4}
 # the fused decode kernels (kernels/decode_fused.py): rows x their weight (the largest operand)
 PALLAS_ROWS_TIMES_WEIGHT = ("decode_norm_matvec", "decode_norm_glu", "decode_matvec_residual")
+# kernels that read the buffers they update in place (kernels/decode_attention.py: attention over
+# the cache it writes the new entries into): priced at every operand, not only the update
+PALLAS_READS_UPDATED = ("decode_cache_attention",)
 SLICING = frozenset({"dynamic-slice", "slice", "gather"})
 # updates of a buffer in place: the operand that holds the update (the buffer is operand 0)
 IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
@@ -326,6 +329,10 @@ def kernel_cost(module: hlo.Module, name: str, gpu: Gpu, hints: Hints, n_devices
     unique = dict.fromkeys(o for i, o in enumerate(instr.operands) if i not in aliased)
     read = sum(hlo.nbytes(module.type_of(o)) for o in unique)
     nbytes = 2 * read if aliased else read + written
+    if aliased and any(k in path for k in PALLAS_READS_UPDATED):
+      # its other operands, the buffers it updates (the size of their outputs: read once,
+      # written in part) and its other outputs
+      nbytes, category = read + written, "attention"
   elif instr.op in ("dot", "convolution"):
     flops, dtype, highest = _dot_flops(module, instr)
     nbytes = sum(hlo.nbytes(t) for t in _operand_types(module, instr)) + hlo.nbytes(instr.type)
