@@ -102,7 +102,7 @@ HloModule m
   %p = (s32[], f32[128,128]) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
   %x = f32[128,128] get-tuple-element(%p), index=1
-  %one = s32[] constant(1)
+  %one = s32[] constant(2)
   %j = s32[] add(%i, %one)
   %y = f32[128,128] dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
   ROOT %t = (s32[], f32[128,128]) tuple(%j, %y)
@@ -136,18 +136,18 @@ ENTRY %main (a: f32[128,128]) -> f32[128,128] {
 def test_a_counted_loop_runs_its_body_bound_minus_start_times():
   module = hlo.parse(COUNTED)
   w, w2 = module.by_name["w"], module.by_name["w2"]
-  assert tpu.counted_trips(module, w) == 10  # i from 2 while i < 12
+  assert tpu.counted_trips(module, w) == 5  # i from 2 while i < 12, step 2
   assert tpu.counted_trips(module, w2) is None  # bound not a constant
   assert tpu.trips(module, w2, Hints(trips=(("/attn/", 3.5),))) == 3.5
   chip = hardware.tpu("v5e")
   s = tpu.program_estimate(COUNTED, chip, Hints(trips=(("/attn/", 3.0),)), op_s=0.0)
   dot = 2 * 128**3
-  assert s["flops"] == pytest.approx(13 * dot) and s["unknown_loops"] == 0
+  assert s["flops"] == pytest.approx(8 * dot) and s["unknown_loops"] == 0
   s = tpu.program_estimate(COUNTED, chip, op_s=0.0)  # the second loop counted once
-  assert s["flops"] == pytest.approx(11 * dot) and s["unknown_loops"] == 1
+  assert s["flops"] == pytest.approx(6 * dot) and s["unknown_loops"] == 1
   s = tpu.program_estimate(COUNTED, chip, op_s=1e-6)
   # the dots only: the loop counters and predicates are scalar ops
-  assert s["launch_s"] == pytest.approx(s["launches"] * 1e-6) and s["launches"] == 11
+  assert s["launch_s"] == pytest.approx(s["launches"] * 1e-6) and s["launches"] == 6
 
 
 def test_the_estimate_takes_the_compiler_s_only_where_it_holds():
@@ -373,3 +373,19 @@ ENTRY %main (a: bf16[16,64,1024,1], b: bf16[8,128,1024,1]) -> bf16[16,64,8,128] 
 """
   s = tpu.program_estimate(text, hardware.tpu("v5p"), op_s=0.0)
   assert s["flops"] == pytest.approx(2 * 16 * 64 * 1024 * 1024)
+
+
+def test_a_batched_product_written_as_a_dilated_window_counts_one_tap_in_each_window():
+  # XLA:TPU's [16, 8] batch of 64 x 128 @ 128 x 64 products: the batch dimensions as a 16 x 8
+  # window over a dilated input, of whose 128 taps one meets an input element
+  text = """\
+HloModule m
+
+ENTRY %main (a: bf16[16,8,64,128], b: bf16[16,8,128,64]) -> f32[16,8,64,64] {
+  %a = bf16[16,8,64,128] parameter(0)
+  %b = bf16[16,8,128,64] parameter(1)
+  ROOT %c = f32[16,8,64,64] convolution(%a, %b), window={size=16x8 stride=15x7 lhs_dilate=16x8}, dim_labels=01bf_01io->01bf
+}
+"""
+  s = tpu.program_estimate(text, hardware.tpu("v5p"), op_s=0.0)
+  assert s["flops"] == pytest.approx(2 * 16 * 8 * 64 * 64 * 128)

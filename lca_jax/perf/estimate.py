@@ -132,28 +132,43 @@ def _dot_flops(module: hlo.Module, instr: hlo.Instr) -> Tuple[float, str, bool]:
 
 
 def _window_taps(instr: hlo.Instr, lhs_dims, labels) -> Optional[float]:
-  """For a convolution whose window is padded (XLA:TPU writes some projections as a window of
-  8 over a dimension of 1, padded 7 on each side): the fraction of window taps, averaged over
-  the output positions, that fall on the input rather than on padding (stride 1, no dilation);
-  None when nothing is padded or the window is not of that form."""
+  """The fraction of a convolution's window taps, over all output positions, that land on an
+  input element rather than on padding or on the holes of a dilated input: XLA:TPU writes some
+  projections as a window of 8 over a dimension of 1 padded 7 on each side, and batched
+  products as windows over the batch dimensions with a dilated input, where one tap in 8 or
+  in 128 multiplies. None when the window has none of these (every tap counts)."""
   window = _WINDOW.search(instr.attrs)
-  if window is None or "pad=" not in window.group(1) or labels is None or "dilate" in instr.attrs:
+  lhs_labels = _CONV_LHS.search(instr.attrs)
+  if window is None or labels is None or lhs_labels is None:
     return None
   fields = dict(f.split("=", 1) for f in window.group(1).split() if "=" in f)
-  if "stride" in fields or "size" not in fields:
+  if not any(k in fields for k in ("pad", "stride", "lhs_dilate", "rhs_dilate")):
     return None
-  sizes = [int(x) for x in fields["size"].split("x")]
-  pads = [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")]
-  lhs_labels = _CONV_LHS.search(instr.attrs)
-  if lhs_labels is None or len(sizes) != len(pads):
-    return None
+  sizes = [int(x) for x in fields.get("size", "").split("x") if x]
+  rank = len(sizes)
+  per_dim = lambda key, default: (
+    [int(x) for x in fields[key].split("x")] if key in fields else [default] * rank
+  )
+  strides, lhs_d, rhs_d = per_dim("stride", 1), per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+  pads = (
+    [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")]
+    if "pad" in fields
+    else [(0, 0)] * rank
+  )
   fraction = 1.0
-  for d, (w, (lo, hi)) in enumerate(zip(sizes, pads)):
+  for d in range(rank):
     n = lhs_dims[lhs_labels.group(1).index(str(d))]
-    positions = n + lo + hi - w + 1
-    if positions <= 0:
+    w, st, dl, dr, (lo, hi) = sizes[d], strides[d], lhs_d[d], rhs_d[d], pads[d]
+    span = (n - 1) * dl + 1  # the dilated input
+    positions = (span + lo + hi - ((w - 1) * dr + 1)) // st + 1
+    if positions <= 0 or positions * w > 1 << 22:
       return None
-    hits = sum(min(positions - 1, x + lo) - max(0, x + lo - w + 1) + 1 for x in range(n))
+    hits = sum(
+      1
+      for o in range(positions)
+      for t in range(w)
+      if 0 <= o * st + t * dr - lo < span and (o * st + t * dr - lo) % dl == 0
+    )
     fraction *= hits / (positions * w)
   return fraction
 

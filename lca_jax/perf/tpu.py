@@ -91,7 +91,8 @@ def _tuple_index(module: hlo.Module, name: str) -> Optional[int]:
 
 def counted_trips(module: hlo.Module, loop: hlo.Instr) -> Optional[int]:
   """Trips of a counted loop: its condition compares a tuple element (the index) with a
-  constant bound (``i < N``) and the loop starts the index at a constant; None otherwise."""
+  constant bound (``i < N``), the loop starts the index at a constant and its body adds a
+  constant step (``_step``); None otherwise."""
   cond = _CONDITION.search(loop.attrs)
   root = module.root(cond.group(1)) if cond else None
   if root is None or root.op != "compare" or len(root.operands) != 2 or not loop.operands:
@@ -111,7 +112,26 @@ def counted_trips(module: hlo.Module, loop: hlo.Instr) -> Optional[int]:
   start = _constant(module, init.operands[index])
   if start is None:
     return None
-  return max(bound - start + (direction == "LE"), 0)
+  step = _step(module, loop, index)
+  return max(-(-(bound - start + (direction == "LE")) // step), 0)
+
+
+def _step(module: hlo.Module, loop: hlo.Instr, index: int) -> int:
+  """What the loop body adds to its index (tuple element ``index``) each trip: 1 unless the
+  body's root sets it to index + constant (XLA:TPU's collective matmul loops step by 2)."""
+  body = _BODY.search(loop.attrs)
+  root = module.root(body.group(1)) if body else None
+  if root is None or root.op != "tuple" or index >= len(root.operands):
+    return 1
+  update = module.by_name.get(root.operands[index])
+  if update is None or update.op != "add" or len(update.operands) != 2:
+    return 1
+  a, b = update.operands
+  for counter, constant in ((a, b), (b, a)):
+    k = _constant(module, constant)
+    if _tuple_index(module, counter) == index and k is not None and k > 0:
+      return k
+  return 1
 
 
 def trips(module: hlo.Module, loop: hlo.Instr, hints: Hints) -> Optional[float]:
