@@ -120,7 +120,7 @@ def _parse_tool_args(tool: str, argv):
   ``--config.*`` overrides to the config file named)."""
   mod = load_tool(tool)
   if tool == "gpu_aot":
-    parsed, rest = mod._parser().parse_known_args(argv)  # pylint: disable=protected-access
+    parsed, rest = mod._parser("gpu", "").parse_known_args(argv)  # pylint: disable=protected-access
     assert rest == [] and parsed.targets == "h100", (rest, parsed)  # nvidia-smi names no GPU
     return parsed
   parsed = mod.parse_args(argv)
