@@ -57,13 +57,9 @@ def pool_fraction(env=None) -> float:
     return DEFAULT_POOL
 
 
-def memory(compiled, device_bytes: int, state_bytes: int, fraction: Optional[float] = None) -> dict:
-  """Per-device bytes of ``compiled`` (``memory_analysis``) in GB against what the process
-  gets: ``fraction`` of the device (``pool_fraction()``, JAX's default 0.75) less
-  ``RUNTIME_MARGIN`` (cuBLAS / cuDNN workspaces, NCCL buffers, the CUDA context, which live
-  outside XLA's buffers). ``fits``: it fits with some setting (at most ``MAX_FRACTION`` of the
-  device); ``mem_fraction`` the ``XLA_PYTHON_CLIENT_MEM_FRACTION`` it needs when the pool is
-  too small."""
+def buffer_sizes(compiled, device_bytes: int, state_bytes: int) -> tuple:
+  """(total bytes, the GB figures of every memory report) of ``compiled``'s
+  ``memory_analysis``: state, arguments, outputs, aliased, temporaries, total, device."""
   m = compiled.memory_analysis()
   total = (
     m.argument_size_in_bytes
@@ -72,6 +68,25 @@ def memory(compiled, device_bytes: int, state_bytes: int, fraction: Optional[flo
     + m.temp_size_in_bytes
     + m.generated_code_size_in_bytes
   )
+  return total, dict(
+    state_gb=round(state_bytes / GB, 3),
+    argument_gb=round(m.argument_size_in_bytes / GB, 3),
+    output_gb=round(m.output_size_in_bytes / GB, 3),
+    alias_gb=round(m.alias_size_in_bytes / GB, 3),
+    temp_gb=round(m.temp_size_in_bytes / GB, 3),
+    total_gb=round(total / GB, 3),
+    device_gb=round(device_bytes / GB, 3),
+  )
+
+
+def memory(compiled, device_bytes: int, state_bytes: int, fraction: Optional[float] = None) -> dict:
+  """Per-device bytes of ``compiled`` (``memory_analysis``) in GB against what the process
+  gets: ``fraction`` of the device (``pool_fraction()``, JAX's default 0.75) less
+  ``RUNTIME_MARGIN`` (cuBLAS / cuDNN workspaces, NCCL buffers, the CUDA context, which live
+  outside XLA's buffers). ``fits``: it fits with some setting (at most ``MAX_FRACTION`` of the
+  device); ``mem_fraction`` the ``XLA_PYTHON_CLIENT_MEM_FRACTION`` it needs when the pool is
+  too small."""
+  total, buffers = buffer_sizes(compiled, device_bytes, state_bytes)
   fraction = pool_fraction() if fraction is None else fraction
   usable = fraction * device_bytes - RUNTIME_MARGIN
   fits = total <= MAX_FRACTION * device_bytes - RUNTIME_MARGIN
@@ -89,13 +104,7 @@ def memory(compiled, device_bytes: int, state_bytes: int, fraction: Optional[flo
       f"does not fit by {(total - MAX_FRACTION * device_bytes + RUNTIME_MARGIN) / GB:.2f} GB"
     )
   return dict(
-    state_gb=round(state_bytes / GB, 3),
-    argument_gb=round(m.argument_size_in_bytes / GB, 3),
-    output_gb=round(m.output_size_in_bytes / GB, 3),
-    alias_gb=round(m.alias_size_in_bytes / GB, 3),
-    temp_gb=round(m.temp_size_in_bytes / GB, 3),
-    total_gb=round(total / GB, 3),
-    device_gb=round(device_bytes / GB, 3),
+    buffers,
     pool_fraction=fraction,
     runtime_margin_gb=RUNTIME_MARGIN / GB,
     usable_gb=round(usable / GB, 3),

@@ -18,32 +18,18 @@ from lca_jax import backend
 from lca_jax.aot import rates, report
 from lca_jax.perf import tpu, workload
 
-GB = 1e9
+GB = report.GB
 KERNEL_BLOCK = 128  # the TPU attention kernel's blocks (kernels.tpu_attention)
 
 
 def memory(compiled, device_bytes: int, state_bytes: int) -> dict:
   """Per-chip bytes of ``compiled`` (``memory_analysis``) against the chip's HBM."""
-  m = compiled.memory_analysis()
-  total = (
-    m.argument_size_in_bytes
-    + m.output_size_in_bytes
-    - m.alias_size_in_bytes
-    + m.temp_size_in_bytes
-    + m.generated_code_size_in_bytes
-  )
-  fits = total <= device_bytes
+  total, buffers = report.buffer_sizes(compiled, device_bytes, state_bytes)
   free = device_bytes - total
   return dict(
-    state_gb=round(state_bytes / GB, 3),
-    argument_gb=round(m.argument_size_in_bytes / GB, 3),
-    output_gb=round(m.output_size_in_bytes / GB, 3),
-    alias_gb=round(m.alias_size_in_bytes / GB, 3),
-    temp_gb=round(m.temp_size_in_bytes / GB, 3),
-    total_gb=round(total / GB, 3),
-    device_gb=round(device_bytes / GB, 3),
-    fits=fits,
-    verdict="fits in HBM" if fits else f"does not fit by {-free / GB:.2f} GB",
+    buffers,
+    fits=free >= 0,
+    verdict="fits in HBM" if free >= 0 else f"does not fit by {-free / GB:.2f} GB",
     margin_gb=round(free / GB, 3),
   )
 
