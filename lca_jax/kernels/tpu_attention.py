@@ -179,20 +179,29 @@ def _dkdv_kernel(
   dv_ref[...] = dv_KD.astype(dv_ref.dtype)
 
 
+def _query_block_specs(cfg: Config, q_shape, n_kv_heads: int):
+  """The blocks of a grid over (row, query head, query block): k_start's block of the query
+  block, the query block, its kv head whole, and its [1, block_q] row (lse, delta)."""
+  _, H, T, D = q_shape
+  G, bq = H // n_kv_heads, cfg.block_q
+  return (
+    pl.BlockSpec((None, 1, bq), lambda b, h, i, *_: (b, 0, i)),
+    pl.BlockSpec((None, None, bq, D), lambda b, h, i, *_: (b, h, i, 0)),
+    pl.BlockSpec((None, None, T, D), lambda b, h, i, *_: (b, h // G, 0, 0)),
+    pl.BlockSpec((None, None, 1, bq), lambda b, h, i, *_: (b, h, 0, i)),
+  )
+
+
 def _forward(cfg: Config, q_BHTD, k_BKTD, v_BKTD, k_start_B1T, kb_lo_BN, kb_hi_BN):
-  B, H, T, D = q_BHTD.shape
-  G = H // k_BKTD.shape[1]
-  bq = cfg.block_q
-  q_block = pl.BlockSpec((None, None, bq, D), lambda b, h, i, *_: (b, h, i, 0))
-  kv_whole = pl.BlockSpec((None, None, T, D), lambda b, h, i, *_: (b, h // G, 0, 0))
-  row_block = pl.BlockSpec((None, None, 1, bq), lambda b, h, i, *_: (b, h, 0, i))
+  B, H, T, _ = q_BHTD.shape
+  k_start, q_block, kv_whole, row_block = _query_block_specs(cfg, q_BHTD.shape, k_BKTD.shape[1])
   return pl.pallas_call(
     functools.partial(_fwd_kernel, cfg=cfg),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
-      grid=(B, H, T // bq),
+      grid=(B, H, T // cfg.block_q),
       in_specs=[
-        pl.BlockSpec((None, 1, bq), lambda b, h, i, *_: (b, 0, i)),  # k_start
+        k_start,
         q_block,
         kv_whole,
         kv_whole,
@@ -210,19 +219,15 @@ def _forward(cfg: Config, q_BHTD, k_BKTD, v_BKTD, k_start_B1T, kb_lo_BN, kb_hi_B
 
 
 def _backward_dq(cfg: Config, q, k, v, do, lse, delta, k_start_B1T, kb_lo_BN, kb_hi_BN):
-  B, H, T, D = q.shape
-  G = H // k.shape[1]
-  bq = cfg.block_q
-  q_block = pl.BlockSpec((None, None, bq, D), lambda b, h, i, *_: (b, h, i, 0))
-  kv_whole = pl.BlockSpec((None, None, T, D), lambda b, h, i, *_: (b, h // G, 0, 0))
-  row_block = pl.BlockSpec((None, None, 1, bq), lambda b, h, i, *_: (b, h, 0, i))
+  B, H, T, _ = q.shape
+  k_start, q_block, kv_whole, row_block = _query_block_specs(cfg, q.shape, k.shape[1])
   return pl.pallas_call(
     functools.partial(_dq_kernel, cfg=cfg),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
-      grid=(B, H, T // bq),
+      grid=(B, H, T // cfg.block_q),
       in_specs=[
-        pl.BlockSpec((None, 1, bq), lambda b, h, i, *_: (b, 0, i)),  # k_start
+        k_start,
         q_block,
         kv_whole,
         kv_whole,
