@@ -23,7 +23,7 @@ from lca_jax.model import boundaries as bnd
 from lca_jax.model import masks, pooling
 from lca_jax.model.attention import blockwise_attention
 from lca_jax.model.config import ModelConfig
-from lca_jax.model.layers import RMSNorm, Stack, dense, out_in
+from lca_jax.model.layers import RMSNorm, Stack, dense, stored_weight
 
 
 class MLPHead(nn.Module):
@@ -183,12 +183,11 @@ class ByteLM(nn.Module):
     d = h_BTD.shape[-1]
     rows = h_BTD.size // d
     p = nn.unbox(self.variables.get("params", {}))
-    head = p.get("head", {})
-    if not backend.fused_decode_kernels() or rows > decode_fused.MAX_ROWS or "norm" not in p:
+    head = stored_weight(p.get("head", {}), "kernel")
+    fused = backend.fused_decode_kernels() and rows <= decode_fused.MAX_ROWS
+    if not fused or head is None or "norm" not in p:
       return self.logits(h_BTD)
-    w, in_out = (
-      (head[out_in("kernel")], False) if out_in("kernel") in head else (head["kernel"], True)
-    )
+    w, in_out = head
     y = decode_fused.norm_matvec(
       h_BTD.reshape(rows, d),
       p["norm"]["scale"],

@@ -80,6 +80,15 @@ def decode_kernel(module, name: str):
   return None
 
 
+def stored_weight(scope, name: str):
+  """(kernel, stored [in, out]) of kernel ``name`` in a parameter scope, stored [out, in]
+  (``transpose_kernels``) or [in, out]; None when absent. The fused decode kernels take either."""
+  for key, in_out in ((out_in(name), False), (name, True)):
+    if key in scope:
+      return scope[key], in_out
+  return None
+
+
 def dense(features, name, axes, dtype):
   return Dense(features, tuple(axes), dtype, name=name)
 
@@ -246,13 +255,9 @@ def rope_cos_sin(positions_BT, head_dim: int, base: float, max_len: int = 0):
 
 def rope_rows(positions_BT, head_dim: int, base: float, max_len: int = 0):
   """``rope_cos_sin``'s values as one array [B, T, 2 E] float32 (cos, then sin), for a kernel
-  that applies RoPE itself (``kernels.decode_attention``): one gather from a stacked table, which
-  XLA shares between the layers of a step."""
-  if max_len > 0:
-    n = max(max_len, positions_BT.shape[1]) + 2
-    table = np.concatenate(rope_tables(n, head_dim, base), axis=-1)
-    return jnp.take(jnp.asarray(table), positions_BT, axis=0, mode="fill", fill_value=jnp.nan)
-  cos, sin = rope_cos_sin(positions_BT, head_dim, base)
+  that applies RoPE itself (``kernels.decode_attention``); XLA shares it between the layers of
+  a step."""
+  cos, sin = rope_cos_sin(positions_BT, head_dim, base, max_len)
   return jnp.concatenate([cos[:, :, 0], sin[:, :, 0]], axis=-1)
 
 
@@ -627,21 +632,14 @@ class Block(nn.Module):
     if not backend.fused_decode_kernels() or "attn" not in p or "mlp" not in p:
       return None
     p = nn.unbox(p)
-
-    def weight(scope, name):
-      for key, in_out in ((out_in(name), False), (name, True)):
-        if key in scope:
-          return scope[key], in_out
-      return None
-
     attn, mlp = p["attn"], p["mlp"]
     found = (
       p.get("norm1", {}).get("scale"),
-      weight(attn, QKV_KERNEL),
-      weight(attn.get("out_proj", {}), "kernel"),
+      stored_weight(attn, QKV_KERNEL),
+      stored_weight(attn.get("out_proj", {}), "kernel"),
       p.get("norm2", {}).get("scale"),
-      weight(mlp, GATE_UP_KERNEL),
-      weight(mlp.get("down_proj", {}), "kernel"),
+      stored_weight(mlp, GATE_UP_KERNEL),
+      stored_weight(mlp.get("down_proj", {}), "kernel"),
     )
     return None if any(w is None for w in found) else found
 
