@@ -68,7 +68,7 @@ def _median_s(fn, repeats: int) -> float:
 def _way(seconds, n_bytes):
   if seconds is None:
     return {"s": None, "bytes_per_s": None}
-  return {"s": round(seconds, 4), "bytes_per_s": round(n_bytes / seconds, 2)}
+  return {"s": float(f"{seconds:.4g}"), "bytes_per_s": round(n_bytes / seconds, 2)}
 
 
 def run(argv=None) -> dict:
