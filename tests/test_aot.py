@@ -178,6 +178,35 @@ def test_decode_step_counts_kernels_launches_and_syncs():
     report.decode_step("000: kCustomKernel [source | sink] x\n", 1)
 
 
+# XLA prints an empty branch as "No thunks." with the next label on the same line, and a
+# conditional on a predicate with true / false labels
+EMPTY_AND_PRED_BRANCHES = """\
+000: kWhile              [source | sink]
+condition:
+    001: kCustomKernel [source | sink] loop_and_fusion grid: [1, 1, 1]
+  body:
+    000: kCommandBuffer [source | sink]
+        002: kCustomKernel [source | next=003 (1)] a grid: [1, 1, 1]
+        003: kConditional  [source | sink]
+          branch_0:
+            No thunks.          branch_1:
+            004: kCustomKernel [source | next=005 (1)] lm_a grid: [1, 1, 1]
+            005: kCustomKernel [prev=004 (1) | sink] lm_b grid: [1, 1, 1]
+        006: kConditional  [source | sink]
+          false_branch:
+            007: kCustomKernel [source | sink] narrow grid: [1, 1, 1]
+          true_branch:
+            008: kCustomKernel [source | next=009 (1)] wide_a grid: [1, 1, 1]
+            009: kCustomKernel [prev=008 (1) | sink] wide_b grid: [1, 1, 1]
+"""
+
+
+def test_empty_branches_and_predicate_branches_are_branches_of_their_conditional():
+  s = report.decode_step(EMPTY_AND_PRED_BRANCHES, 1)
+  # condition 1 + body: a, the LM branch (2) or nothing, the wide (2) or narrow (1) branch
+  assert (s["kernels"], s["kernels_least"]) == (6, 3)
+
+
 # ---- error paths without the plugin ------------------------------------------------------
 @no_plugin
 def test_lca_train_aot_without_the_plugin_is_one_line_exit_2():

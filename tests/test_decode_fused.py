@@ -11,8 +11,10 @@ from conftest import random_params, tiny_config
 
 from lca_jax import backend
 from lca_jax.api import Model
+from lca_jax.decode import engine
+from lca_jax.decode.executables import ExecutableCache
 from lca_jax.kernels import decode_fused as df
-from lca_jax.model import layers
+from lca_jax.model import incremental, layers
 from lca_jax.model.activations import swiglu
 
 TOL = {jnp.float32: 2e-6, jnp.bfloat16: 1e-2}  # of the largest output
@@ -88,10 +90,19 @@ def transposed_model():
   return Model(cfg, params)
 
 
-@pytest.mark.parametrize("mode", ["ntp", "verify"])
+@pytest.mark.parametrize("mode,lm_variants", [("ntp", 1), ("verify", 1), ("ntp", 3)])
 def test_greedy_decoding_with_the_fused_kernels_equals_the_xla_path(
-  transposed_model, mode, monkeypatch
+  transposed_model, mode, lm_variants, monkeypatch, request
 ):
+  """With one latent-LM branch the LM writes its caches in place inside it; with several (the
+  LM cache read in parts, ``incremental.lm_reads``) the branches return the new entries and one
+  kernel writes them all (``write_slots``)."""
+  if lm_variants > 1:  # traced anew (no cached programs) with the patched reads
+    jax.clear_caches()
+    request.addfinalizer(jax.clear_caches)
+    monkeypatch.setattr(engine, "_EXECUTABLES", ExecutableCache(capacity=4))
+    monkeypatch.setattr(incremental, "LM_READS_FROM", 1)
+    monkeypatch.setattr(incremental, "LM_READS_SHARE", 0.0)
   prompts = ["The hacker ", "ab"]  # a batch of two, ragged
   kw = dict(mode=mode, n=3, max_bytes=24) if mode == "verify" else dict(mode=mode, max_bytes=24)
   traced, writes = [], []
@@ -105,7 +116,7 @@ def test_greedy_decoding_with_the_fused_kernels_equals_the_xla_path(
     got = transposed_model.generate(prompts, **kw)
   layers_per_step = sum(getattr(transposed_model.cfg, f"n_{s}") for s in ("enc", "lm", "dec"))
   assert len(traced) >= layers_per_step  # every block of the step took the fused path
-  assert writes  # the LM's caches written in one kernel
+  assert bool(writes) == (lm_variants > 1)  # the LM's deferred entries written in one kernel
   assert got.texts == ref.texts
   if mode == "verify":  # verify's greedy text is ntp's, with the kernels too
     with backend.fused_decode(True):

@@ -200,7 +200,6 @@ def _latents(
   """Pool the groups the block closes, run the LM over them (only when some row closed one:
   Eff-FxT) and read back the latent each byte sees. ``fresh``: see ``extend``."""
   b, k = closes_BK.shape
-  j = jnp.arange(k)[None, :]
   prev_close = jnp.concatenate([jnp.zeros_like(closes_BK[:, :1]), closes_BK[:, :-1]], axis=1)
   hf = h_BKD.astype(jnp.float32) * blk.valid_BK[..., None]
   gsum, gcnt, seg = pooling.open_group_sums(
@@ -212,49 +211,11 @@ def _latents(
   dest = jnp.where(closes_BK, cum - 1, k)
   new_s = jnp.zeros_like(pooled).at[jnp.arange(b)[:, None], dest].set(pooled, mode="drop")
   first_slot = state.n_closed + 1
-  slot_pos = first_slot[:, None] + j
-  lm_mask = masks.cache_causal_mask(slot_pos, state.z.shape[1])
-
-  # The LM cache is written after the branch (zeros when it did not run: slots past n_closed
-  # are garbage until a group closes there). A step's few new slots come back as one stacked
-  # pair (the branch that runs no LM then fills two buffers, not two per layer); a prefill's
-  # (LM_WIDTHS_FROM slots or more) per layer (a stack would hold them all twice at its peak).
-  stack = k < LM_WIDTHS_FROM
-
-  def lm_over(c, old):
-    def run():
-      x, pos, mask = (a[:, :c] for a in (new_s, slot_pos, lm_mask))
-      access = CacheAccess(first_slot, old_slots=old, defer_write=True)
-      z, kv = _stack(cfg, params, "lm", x, pos, mask, state.lm, access)
-      z, kv = _pad_slots(z, kv, k)
-      return z, _pack(kv, stack)
-
-    return run
-
-  # one branch per (slots run over, cache slots read): the smallest of each that holds every
-  # row's new groups and every row's earlier slots; a fresh LM cache holds the null group only
-  widths = lm_widths(k, backend.platform())
-  reads = (1,) if fresh else lm_reads(cfg, b, state.z.shape[1])
-  n_new = cum[:, -1].max()
-  i_width = jnp.sum(jnp.asarray(widths) < n_new)
-  i_read = jnp.sum(jnp.asarray(reads[:-1], jnp.int32) < first_slot.max())
-  pick = jnp.where(n_new == 0, 0, 1 + i_width * len(reads) + i_read)
-  idle = lambda: (jnp.zeros_like(new_s), _pack(_kv(cfg, cfg.n_lm, b, k, new_s.dtype), stack))
-  z_new, lm_new = jax.lax.switch(pick, [idle] + [lm_over(c, o) for c in widths for o in reads])
-  z = write_rows(state.z, z_new, first_slot)
-  s = write_rows(state.s, new_s, first_slot)
+  lm, z, s = _latent_lm(cfg, params, state, new_s, first_slot, cum[:, -1].max(), fresh)
   u = state.n_closed[:, None] + cum  # closed groups through each new byte
   grp = u - closes_BK.astype(jnp.int32)
   closed_last = _take(closes_BK, blk.last_B)
   has = blk.has_B
-  if stack and backend.fused_decode_kernels() and decode_fused.writes_slots(k):
-    # every LM layer's entries in one kernel (``fused_decode_kernels``: GPUs), not two each
-    lm = decode_fused.write_slots(
-      state.lm, lm_new.k, lm_new.v, first_slot, interpret=backend.pallas_interpret()
-    )
-    lm = tuple(KVCache(*c) for c in lm)
-  else:
-    lm = _write(state.lm, _unpack(lm_new, stack), first_slot)
   fields = dict(
     lm=lm,
     z=z,
@@ -270,6 +231,68 @@ def _latents(
   read = lambda x_BSD: jnp.take_along_axis(x_BSD, u[..., None], axis=1)
   out = dict(h=hf, seg=seg, closes=closes_BK, n_closed=u)
   return _Latents(fields, read(z), read(s), grp, out)
+
+
+def _latent_lm(cfg, params, state: DecodeState, new_s_BKD, first_slot_B, n_new, fresh: bool):
+  """The latent LM over the block's new groups (``new_s``, compacted, written from
+  ``first_slot``) when some row closed one (``n_new`` > 0): the LM caches, z and s after it.
+
+  Each (slots run over, cache slots read) pair the block may need is one branch of a
+  ``lax.switch``: the smallest of each that holds every row's new groups and every row's earlier
+  slots (``lm_widths``, ``lm_reads``; a fresh LM cache holds the null group only). With one such
+  branch and the fused decode kernels (a step on a GPU), the branch writes the caches, z and s in
+  place and the idle branch passes them through: XLA adds no copy, and a step where no group
+  closes launches nothing for the LM. Otherwise the branches return the new cache entries
+  (``defer_write``) written after the switch (writes inside several branches made XLA copy the
+  caches), zeros when no group closed (slots past n_closed are garbage until a group closes
+  there): a step's few new slots as one stacked pair (the idle branch then fills two buffers, not
+  two per layer) written by one kernel with the fused kernels, a prefill's (``LM_WIDTHS_FROM``
+  slots or more) per layer (a stack would hold them all twice at its peak)."""
+  b, k = new_s_BKD.shape[:2]
+  slot_pos = first_slot_B[:, None] + jnp.arange(k)[None, :]
+  lm_mask = masks.cache_causal_mask(slot_pos, state.z.shape[1])
+  widths = lm_widths(k, backend.platform())
+  reads = (1,) if fresh else lm_reads(cfg, b, state.z.shape[1])
+  stack = k < LM_WIDTHS_FROM
+  fused = stack and backend.fused_decode_kernels()
+
+  def lm(c, old, caches, defer):
+    x, pos, mask = (a[:, :c] for a in (new_s_BKD, slot_pos, lm_mask))
+    access = CacheAccess(first_slot_B, old_slots=old, defer_write=defer)
+    return _stack(cfg, params, "lm", x, pos, mask, caches, access)
+
+  if fused and len(widths) * len(reads) == 1:
+
+    def in_place(caches, z, s):
+      z_new, caches = lm(k, reads[0], caches, False)
+      return caches, write_rows(z, z_new, first_slot_B), write_rows(s, new_s_BKD, first_slot_B)
+
+    args = (tuple(state.lm), state.z, state.s)
+    return jax.lax.switch((n_new > 0).astype(jnp.int32), [lambda *a: a, in_place], *args)
+
+  def deferred(c, old):
+    def run():
+      z, kv = _pad_slots(*lm(c, old, state.lm, True), k)
+      return z, _pack(kv, stack)
+
+    return run
+
+  i_width = jnp.sum(jnp.asarray(widths) < n_new)
+  i_read = jnp.sum(jnp.asarray(reads[:-1], jnp.int32) < first_slot_B.max())
+  pick = jnp.where(n_new == 0, 0, 1 + i_width * len(reads) + i_read)
+  idle = lambda: (
+    jnp.zeros_like(new_s_BKD),
+    _pack(_kv(cfg, cfg.n_lm, b, k, new_s_BKD.dtype), stack),
+  )
+  z_new, lm_new = jax.lax.switch(pick, [idle] + [deferred(c, o) for c in widths for o in reads])
+  z = write_rows(state.z, z_new, first_slot_B)
+  s = write_rows(state.s, new_s_BKD, first_slot_B)
+  if fused and decode_fused.writes_slots(k):  # every LM layer's entries in one kernel
+    caches = decode_fused.write_slots(
+      state.lm, lm_new.k, lm_new.v, first_slot_B, interpret=backend.pallas_interpret()
+    )
+    return tuple(KVCache(*c) for c in caches), z, s
+  return _write(state.lm, _unpack(lm_new, stack), first_slot_B), z, s
 
 
 # A block of at least LM_WIDTHS_FROM bytes per row (a prefill) runs the latent LM over the

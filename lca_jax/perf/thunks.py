@@ -17,7 +17,11 @@ import re
 from typing import Dict, List, Optional
 
 _THUNK = re.compile(r"^(\s*)(\d+): (k\w+)\s*(?:\[[^\]]*\])?\s*(\S*)")
-_LABEL = re.compile(r"^(\s*)(condition|body|branch_\d+):\s*$")
+_LABEL = re.compile(r"^(\s*)(condition|body|branch_\d+|true_branch|false_branch):\s*$")
+# an empty branch prints "No thunks." with the next label on the same line
+_EMPTY = re.compile(
+  r"^\s*No thunks\.\s*(?:(condition|body|branch_\d+|true_branch|false_branch):)?\s*$"
+)
 _META = re.compile(r'profile_annotation: "([^"]*)"\s*thunk_id: (\d+)')
 SEQUENCE = ("*.thunk_sequence_after_thunk_passes.txt", "*.thunk_sequence.txt")
 METADATA = "*.thunk_metadata.txt"
@@ -61,6 +65,12 @@ def parse(text: str, names: Optional[Dict[int, str]] = None) -> Thunk:
       stack[-1].add(node)
       stack.append(node)
       continue
+    m = _EMPTY.match(line)
+    if m:
+      if m.group(1):  # the label that follows belongs to the same container
+        stack[-1].label = m.group(1)
+        stack[-1].children.setdefault(m.group(1), [])
+      continue
     m = _LABEL.match(line)
     if m:
       indent = len(m.group(1))
@@ -71,6 +81,7 @@ def parse(text: str, names: Optional[Dict[int, str]] = None) -> Thunk:
       ):
         stack.pop()
       stack[-1].label = m.group(2)
+      stack[-1].children.setdefault(m.group(2), [])  # kept when it stays empty
   return root
 
 
