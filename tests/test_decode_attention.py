@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lca_jax.kernels import decode_attention as da
-from lca_jax.model import layers
+from lca_jax.model import layers, masks
 from lca_jax.model.kv_cache import CacheAccess, KVCache
 
 TOL = {jnp.float32: 2e-6, jnp.bfloat16: 2e-2}  # of the largest output
@@ -40,17 +40,23 @@ def _xla(qkv, pos, cache, mask, access, rows, h, rope_len):
   return layers._attend_cache(q, k, v, cache, mask, access)  # pylint: disable=protected-access
 
 
-def _check(qkv, pos, cache, mask, access, dtype, rows=None, h=4, block_s=8, rope_len=512):
+def _check(
+  qkv, pos, cache, mask, access, dtype, rows=None, h=4, block_s=8, rope_len=512, causal=False
+):
+  """The kernel against the XLA path; with ``causal`` the kernel compares slots with the
+  queries' positions (``last_slot_BR``) where the XLA path reads ``mask`` (the causal one)."""
   want_out, want_kv = _xla(qkv, pos, cache, mask, access, rows, h, rope_len)
+  take = lambda x: x if rows is None else layers.take_rows(x, rows)
   got_out, got_kv = da.cache_attention(
     qkv,
     layers.rope_rows(pos, qkv.shape[-1], BASE, rope_len),
     cache.k,
     cache.v,
-    mask if rows is None else layers.take_rows(mask, rows),
+    None if causal else take(mask),
     access.write_B,
     access.window_B,
     rows,
+    take(pos) if causal else None,
     n_heads=h,
     old_slots=access.old_slots,
     write=not access.defer_write,
@@ -112,6 +118,22 @@ def test_fewer_query_rows_than_new_keys_and_grouped_heads():
   mask = jax.random.bernoulli(key, 0.5, (2, 4, cache.k.shape[2]))
   access = CacheAccess(jnp.array([0, 40], jnp.int32))
   _check(qkv, pos, cache, mask, access, jnp.float32, rows=rows, h=8)
+
+
+@pytest.mark.parametrize("old_slots", [None, 20])
+@pytest.mark.parametrize("t,rows", [(1, None), (3, None), (3, [[2], [0]])])
+def test_causal_queries_compare_slots_with_their_positions(t, rows, old_slots):
+  """``last_slot_BR``: the causal mask of the queries' positions computed in the kernel, as
+  decoding's byte and latent stacks attend (new keys at their positions, ragged rows, one
+  start past the end clamped)."""
+  qkv, _, cache, _ = _inputs(13, t=t)
+  slots = cache.k.shape[2]
+  start = jnp.array([17, slots + 2], jnp.int32)
+  pos = jnp.minimum(start, slots - t)[:, None] + jnp.arange(t)[None, :]
+  mask = masks.cache_causal_mask(pos, slots)
+  rows = None if rows is None else jnp.array(rows)
+  access = CacheAccess(start, old_slots=old_slots)
+  _check(qkv, pos, cache, mask, access, jnp.float32, rows=rows, causal=True)
 
 
 def test_supported_heads_and_block_sizes():

@@ -58,7 +58,7 @@ def _kernel(
   qkv_ref,
   cs_ref,
   rows_ref,
-  mask_ref,
+  allow_ref,
   win_ref,
   start_ref,
   kc_ref,
@@ -72,6 +72,7 @@ def _kernel(
   bs: int,
   nb: int,
   write: bool,
+  causal: bool,
 ):
   o_ref = outs[0]
   b, kh, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -86,13 +87,17 @@ def _kernel(
     at = lambda col: cs_ref[b, pl.ds(j, 1), pl.ds(col, half)]
     return at(0), at(e), at(half), at(e + half)
 
-  win, start = win_ref[b], start_ref[b]
+  start = jnp.clip(start_ref[b], 0, slots - t)  # as ``layers.write_kv`` clamps it
+  win = jnp.clip(win_ref[b], 0, slots - w)
   rel = start - win  # the new entries' first window column
 
   def allowed_at(col, n):
-    """The mask of this query row at window columns col .. col + n - 1 (``mask_ref`` is
-    padded by ``bs`` columns on the left)."""
-    return mask_ref[b, r, pl.ds(col + bs, n)] != 0
+    """Whether this query row may attend window columns col .. col + n - 1: up to its
+    last slot (``causal``: ``allow_ref`` [B, R]), else as its mask says (``allow_ref``
+    [B, R, W] padded by ``bs`` columns on the left)."""
+    if causal:
+      return win + col + jnp.arange(n) <= allow_ref[b, r]
+    return allow_ref[b, r, pl.ds(col + bs, n)] != 0
 
   row = rows_ref[b, r]
   c1, s1, c2, s2 = trig(row)
@@ -175,6 +180,7 @@ def cache_attention(
   start_B,
   window_B=None,
   rows_BR=None,
+  last_slot_BR=None,
   *,
   n_heads: int,
   old_slots=None,
@@ -191,24 +197,32 @@ def cache_attention(
   each query may attend: ``window_B`` .. + W of its row (the whole cache, W = S, without a
   window); ``start_B`` where the new entries go (clamped so that T fit, as
   ``layers.write_kv``); ``rows_BR`` which positions query (default: all T, R = T);
-  ``old_slots`` (static) as in ``cached_attention``. The new entries' slots are read from
+  ``old_slots`` (static) as in ``cached_attention``. ``last_slot_BR`` (no window, no mask):
+  each query attends the slots up to its own (``masks.cache_causal_mask`` of its position),
+  compared inside the kernel instead of read from a mask. The new entries' slots are read from
   ``qkv``, not the cache. Returns (out [B, R, H, E], caches with the new entries stored in
   place), or with ``write=False`` (out, (new keys [B, K, T, E], new values [B, K, E, T]))."""
   b, t, c, e = qkv_BTCE.shape
   h = n_heads
   kv = (c - h) // 2
   slots = cache_k_BKSE.shape[2]
-  w = mask_BRW.shape[-1]
+  causal = last_slot_BR is not None
+  if causal and (mask_BRW is not None or window_B is not None):
+    raise ValueError("last_slot_BR replaces the mask and takes no window")
+  w = slots if causal else mask_BRW.shape[-1]
   rows = jnp.broadcast_to(jnp.arange(t), (b, t)) if rows_BR is None else rows_BR
   r = rows.shape[1]
   n_old = w if old_slots is None else min(old_slots, w)
-  start = jnp.clip(start_B, 0, slots - t).astype(jnp.int32)
-  win = jnp.zeros_like(start) if window_B is None else jnp.clip(window_B, 0, slots - w)
+  start = start_B.astype(jnp.int32)
+  win = jnp.zeros_like(start) if window_B is None else window_B.astype(jnp.int32)
   bs = block_slots(slots, h // kv, e, block_s)
   nb = -(-n_old // bs)
-  # bs columns on the left (a block moved back inside the cache reads up to bs columns before
-  # its own) and enough on the right for every block
-  mask = jnp.pad(mask_BRW, ((0, 0), (0, 0), (bs, max(w, nb * bs) + bs - w)))
+  if causal:
+    allow = last_slot_BR.astype(jnp.int32)
+  else:
+    # bs columns on the left (a block moved back inside the cache reads up to bs columns
+    # before its own) and enough on the right for every block
+    allow = jnp.pad(mask_BRW, ((0, 0), (0, 0), (bs, max(w, nb * bs) + bs - w))).astype(jnp.int32)
   if write:
     extra_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (cache_k_BKSE, cache_v_BKES)]
   else:
@@ -218,7 +232,9 @@ def cache_attention(
       jax.ShapeDtypeStruct((b, kv, e, t), dt),
     ]
   out = pl.pallas_call(
-    functools.partial(_kernel, h=h, kv=kv, t=t, w=w, n_old=n_old, bs=bs, nb=nb, write=write),
+    functools.partial(
+      _kernel, h=h, kv=kv, t=t, w=w, n_old=n_old, bs=bs, nb=nb, write=write, causal=causal
+    ),
     grid=(b, kv, r),
     out_shape=[jax.ShapeDtypeStruct((b, r, h, e), qkv_BTCE.dtype)] + extra_shapes,
     input_output_aliases={6: 1, 7: 2} if write else {},
@@ -229,8 +245,8 @@ def cache_attention(
     qkv_BTCE,
     cos_sin_BT2E.astype(jnp.float32),
     rows.astype(jnp.int32),
-    mask.astype(jnp.int32),
-    win.astype(jnp.int32),
+    allow,
+    win,
     start,
     cache_k_BKSE,
     cache_v_BKES,

@@ -258,7 +258,7 @@ def _latent_lm(cfg, params, state: DecodeState, new_s_BKD, first_slot_B, n_new, 
 
   def lm(c, old, caches, defer):
     x, pos, mask = (a[:, :c] for a in (new_s_BKD, slot_pos, lm_mask))
-    access = CacheAccess(first_slot_B, old_slots=old, defer_write=defer)
+    access = CacheAccess(first_slot_B, old_slots=old, defer_write=defer, causal=True)
     return _stack(cfg, params, "lm", x, pos, mask, caches, access)
 
   if fused and len(widths) * len(reads) == 1:
@@ -415,7 +415,7 @@ def extend(
   old = 0 if fresh else None  # byte-cache slots that can hold earlier keys
 
   def byte_stack(which, x_BKD, caches, rows_BR):
-    access = CacheAccess(state.length, old_slots=old)
+    access = CacheAccess(state.length, old_slots=old, causal=True)
     return _stack(cfg, params, which, x_BKD, pos, blk.causal_BKL, caches, access, rows_BR)
 
   h, enc = byte_stack("encoder", x, state.enc, enc_rows)

@@ -33,10 +33,13 @@ class CacheAccess:
   any), the only ones read. ``defer_write`` (static): the layers return the new entries
   instead of the written caches, for ``layers.write_kv`` to store later (a caller that runs
   the step under ``lax.cond`` writes after it: writes inside both branches make XLA copy the
-  caches).
+  caches). ``causal`` (static): the call's mask is ``masks.cache_causal_mask`` of the queries'
+  positions (decoding's byte and latent stacks), which the decode attention kernel compares
+  with the slots instead of reading the mask.
   """
 
   write_B: jax.Array
   window_B: Optional[jax.Array] = None
   old_slots: Optional[int] = flax.struct.field(pytree_node=False, default=None)
   defer_write: bool = flax.struct.field(pytree_node=False, default=False)
+  causal: bool = flax.struct.field(pytree_node=False, default=False)

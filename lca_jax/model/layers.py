@@ -459,6 +459,7 @@ class Attention(nn.Module):
     if qkv is not None and decode_attention.supported(h, kv, e):
       out, new_kv = _attend_cache_kernel(
         qkv.reshape(b, t, h + 2 * kv, e),
+        positions_BT,
         rope_rows(positions_BT, e, self.rope_base, self.rope_len),
         KVCache(*cache),
         mask_BTS,
@@ -522,19 +523,23 @@ def _attend_cache(q_BRHE, k_BTKE, v_BTKE, cache: KVCache, mask_BRS, access: Cach
 
 
 def _attend_cache_kernel(
-  qkv_BTCE, cos_sin_BT2E, cache: KVCache, mask_BTS, access, rows_BR, n_heads
+  qkv_BTCE, positions_BT, cos_sin_BT2E, cache: KVCache, mask_BTS, access, rows_BR, n_heads
 ):
   """``_attend_cache`` of the fused projection's q, k, v (before RoPE: ``rope_rows``'s values
-  ``cos_sin_BT2E``) in one Pallas kernel (``kernels.decode_attention``)."""
+  ``cos_sin_BT2E``) in one Pallas kernel (``kernels.decode_attention``); a causal mask
+  (``access.causal``) is compared with the queries' positions there instead of read."""
+  take = lambda x: x if rows_BR is None else take_rows(x, rows_BR)
+  causal = access.causal and access.window_B is None
   out, new_kv = decode_attention.cache_attention(
     qkv_BTCE,
     cos_sin_BT2E,
     cache.k,
     cache.v,
-    mask_BTS if rows_BR is None else take_rows(mask_BTS, rows_BR),
+    None if causal else take(mask_BTS),
     access.write_B,
     access.window_B,
     rows_BR,
+    take(positions_BT) if causal else None,
     n_heads=n_heads,
     old_slots=access.old_slots,
     write=not access.defer_write,
