@@ -175,6 +175,55 @@ def test_kernels_are_priced_from_their_flops_and_bytes():
   assert cost("dec").category == "attention"
 
 
+NESTED = """\
+HloModule n, is_scheduled=true
+
+%inner_slice (q0: f32[16,1024], q1: s32[]) -> f32[1024] {
+  %q0 = f32[16,1024]{1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = f32[1,1024]{1,0} dynamic-slice(%q0, %q1, %zero), dynamic_slice_sizes={1,1024}
+  ROOT %b = f32[1024]{0} bitcast(%ds)
+}
+
+%outer (p0: f32[16,1024], p1: s32[], p2: f32[1024]) -> f32[1024] {
+  %p0 = f32[16,1024]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = f32[1024]{0} parameter(2)
+  %nested = f32[1024]{0} fusion(%p0, %p1), kind=kLoop, calls=%inner_slice
+  ROOT %sum = f32[1024]{0} add(%nested, %p2)
+}
+
+%outer_full (r0: f32[16,1024]) -> f32[16,1024] {
+  %r0 = f32[16,1024]{1,0} parameter(0)
+  %nested.1 = f32[16,1024]{1,0} fusion(%r0), kind=kLoop, calls=%inner_negate
+  ROOT %neg = f32[16,1024]{1,0} negate(%nested.1)
+}
+
+%inner_negate (s0: f32[16,1024]) -> f32[16,1024] {
+  %s0 = f32[16,1024]{1,0} parameter(0)
+  ROOT %n = f32[16,1024]{1,0} negate(%s0)
+}
+
+ENTRY %main (a: f32[16,1024], i: s32[], v: f32[1024]) -> f32[1024] {
+  %a = f32[16,1024]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %v = f32[1024]{0} parameter(2)
+  %whole = f32[16,1024]{1,0} fusion(%a), kind=kLoop, calls=%outer_full
+  ROOT %sliced = f32[1024]{0} fusion(%a, %i, %v), kind=kLoop, calls=%outer
+}
+"""
+
+
+def test_a_fusion_nested_in_a_fusion_reads_only_the_slices_it_takes():
+  m = hlo.parse(NESTED)
+  cost = lambda name: estimate.kernel_cost(m, name, GPU, estimate.Hints())
+  # the nested fusion slices one row of the [16, 1024] operand: 4096 bytes, not 65536
+  assert cost("sliced").bytes == 4096 + 4 + 4096 + 4096
+  # a nested fusion that reads its operand whole reads all of it
+  assert cost("whole").bytes == 2 * 16 * 1024 * 4
+
+
 def test_the_walk_runs_loops_by_trip_count_and_launches_in_graphs_cheaply():
   s = estimate.estimate(HLO, THUNKS, _metadata(NAMES), GPU, launch=LAUNCH)
   m = hlo.parse(HLO)

@@ -9,9 +9,9 @@ from the HLO instruction it runs (``hlo``):
   per query (``Hints.keys_per_query``: the blocks it computes under the mask), with the number
   of products per (query, key) pair of ``PALLAS_PRODUCTS``.
 * bytes: the operands it reads and the results it writes. A fusion parameter that the body
-  only slices (``dynamic-slice``, ``slice``, ``gather``) counts the slices; a buffer updated in
-  place (``dynamic-update-slice``, ``scatter``) counts the update, not the buffer; a copy reads
-  and writes.
+  only slices (``dynamic-slice``, ``slice``, ``gather``: itself or in a fusion nested in it)
+  counts the slices; a buffer updated in place (``dynamic-update-slice``, ``scatter``) counts
+  the update, not the buffer; a copy reads and writes.
 * time = max(FLOPs / (dot peak of its operand type x ``dot_efficiency``), bytes / (bandwidth x
   ``memory_efficiency``)) + the launch cost (``hardware.Launch``: a node inside a CUDA graph,
   or a host launch); collectives bytes / NVLink (ring: an all-reduce moves 2 (n - 1) / n of
@@ -242,9 +242,10 @@ def _users(instrs: Sequence[hlo.Instr]) -> Dict[str, List[hlo.Instr]]:
   return out
 
 
-def _read_of(name: str, users, full: float, depth: int = 0) -> float:
+def _read_of(module: hlo.Module, name: str, users, full: float, depth: int = 0) -> float:
   """Bytes a fusion body reads of value ``name`` (``full`` bytes): the slices when every use
-  slices it, nothing when it is only the buffer of an in-place update, else all of it."""
+  slices it (also inside a nested fusion that takes it), nothing when it is only the buffer of
+  an in-place update, else all of it."""
   uses = users.get(name, [])
   if not uses or depth > 8:
     return full
@@ -255,10 +256,30 @@ def _read_of(name: str, users, full: float, depth: int = 0) -> float:
     elif u.op in IN_PLACE and u.operands and u.operands[0] == name:
       continue
     elif u.op in TRANSPARENT:
-      total += _read_of(u.name, users, full, depth + 1)
+      total += _read_of(module, u.name, users, full, depth + 1)
+    elif u.op == "fusion" and u.called:
+      total += _nested_read(module, u, name, full, depth + 1)
     else:
       return full
   return min(total, full)
+
+
+def _nested_read(module: hlo.Module, fusion: hlo.Instr, name: str, full: float, depth: int):
+  """Bytes nested ``fusion`` (inside a fusion body) reads of its operand ``name``: what its
+  body reads of each parameter that ``name`` is passed as."""
+  body = module.computations.get(fusion.called[0], [])
+  params = _parameters(body)
+  users = _users(body)
+  total = 0.0
+  for idx, operand in enumerate(fusion.operands):
+    if operand == name:
+      total += _read_of(module, params[idx], users, full, depth) if idx in params else full
+  return total
+
+
+def _parameters(instrs: Sequence[hlo.Instr]) -> Dict[int, str]:
+  """Parameter number -> instruction name of a computation's parameters."""
+  return {int(i.args): i.name for i in instrs if i.op == "parameter" and i.args.strip().isdigit()}
 
 
 def _written(module: hlo.Module, root: Optional[hlo.Instr], full: float) -> float:
@@ -280,16 +301,12 @@ def _written(module: hlo.Module, root: Optional[hlo.Instr], full: float) -> floa
 def _fusion_bytes(module: hlo.Module, instr: hlo.Instr) -> float:
   body = instr.called[0] if instr.called else ""
   instrs = module.computations.get(body, [])
-  params = {}
-  for i in instrs:
-    if i.op == "parameter":
-      if i.args.strip().isdigit():
-        params[int(i.args)] = i.name
+  params = _parameters(instrs)
   users = _users(instrs)
   read = 0.0
   for idx, operand in enumerate(instr.operands):
     full = hlo.nbytes(module.type_of(operand))
-    read += _read_of(params[idx], users, full) if idx in params else full
+    read += _read_of(module, params[idx], users, full) if idx in params else full
   return read + _written(module, module.root(body), hlo.nbytes(instr.type))
 
 
