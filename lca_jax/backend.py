@@ -3,7 +3,8 @@
 A few choices in the model and the decode engine depend on the backend that runs the program,
 each a function here that the model calls: Pallas kernels are interpreted on the CPU and
 lowered to Triton on GPUs (``pallas_interpret``), the LCA attention kernel is the Mosaic one on
-TPUs (``tpu_attention_kernel``), the blockwise attention runs one loop nest
+TPUs (``tpu_attention_kernel``), dense products and norms merge the leading axes except on
+TPUs (``merged_rows``), the blockwise attention runs one loop nest
 per core on the CPU (``attention_threads``), the CPU runs a cached attention of a few columns
 as matrix-vector products (``matvec_cache_products``), a long decode block runs the latent LM
 at several widths on the CPU (``several_lm_widths``), GPUs decode with weights stored
@@ -65,6 +66,16 @@ def tpu_attention_kernel() -> bool:
   ``kernels.tpu_attention`` (on TPUs) rather than the Triton kernels of
   ``kernels.lca_attention`` (on GPUs; interpreted on the CPU)."""
   return platform() == "tpu"
+
+
+def merged_rows() -> bool:
+  """Whether ``layers.Dense`` and ``layers.RMSNorm`` run on [tokens, features] views of their
+  [B, T, features] inputs (``model/rows.py``, ``layers.Dense``: XLA:CPU's fusions need them)
+  rather than on the inputs as they are: everywhere but on TPUs. A TPU array is tiled by
+  8 rows x 128 lanes over its last two axes, so merging B and T moves the data whenever T is
+  not a multiple of 8 (the latent stack's slots), and the TPU's products take [B, T, D] as it
+  is."""
+  return platform() != "tpu"
 
 
 def matvec_cache_products(columns: int, max_columns: int) -> bool:

@@ -2,7 +2,7 @@
 (jax's default backend, or a ``backend.target`` block, as every test here names), and the
 model makes each choice by asking it (Pallas interpret mode, blockwise loop nests,
 matrix-vector products over a cache, latent LM widths of a long decode block, [out, in] decode
-weights)."""
+weights, dense products and norms over merged rows)."""
 
 import os
 
@@ -25,6 +25,7 @@ def _choices() -> dict:
     matvec=[backend.matvec_cache_products(c, 8) for c in (1, 2, 8, 9)],
     widths=backend.several_lm_widths(),
     row_major=backend.row_major_kernels(),
+    merged_rows=backend.merged_rows(),
   )
 
 
@@ -37,6 +38,7 @@ def test_cpu_choices():
     matvec=[False, True, True, False],
     widths=True,
     row_major=False,
+    merged_rows=True,
   )
 
 
@@ -50,6 +52,7 @@ def test_accelerator_choices(name):
     matvec=[False] * 4,
     widths=False,
     row_major=name == "gpu",
+    merged_rows=name == "gpu",
   )
   with backend.target("cpu"):
     with backend.target(name):

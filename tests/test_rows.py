@@ -3,10 +3,10 @@
 XLA:CPU's YNNPACK fusions reduce a product over the last axis of [1, T, D] 10-20x slower than
 over [T, D] (model/rows.py). The RMSNorm, the pooling weights and the attention backward
 compute those products on a rows view; these tests check that the view changes no value or
-gradient, and that the backward of the whole model at batch 1 is left with no reduction whose
-result is [1, T, ...] (the form the slow path takes; the test fails on the code before the
-rows views: the RMSNorm's input gradient, the pooling weights' gradient and the attention
-backward's row sums).
+gradient (nor does running on [B, T, D] as it is, as on TPUs), and that the backward of the
+whole model at batch 1 is left with no reduction whose result is [1, T, ...] (the form the slow
+path takes; the test fails on the code before the rows views: the RMSNorm's input gradient,
+the pooling weights' gradient and the attention backward's row sums).
 """
 
 import functools
@@ -25,9 +25,10 @@ from conftest import (
   train_forward,
 )
 
+from lca_jax import backend
 from lca_jax.model import rows
 from lca_jax.model.hierarchical import ByteLM
-from lca_jax.model.layers import RMSNorm
+from lca_jax.model.layers import RMSNorm, Stack
 from lca_jax.model.loss import compute_loss
 from lca_jax.perf import hlo_stats
 
@@ -59,6 +60,30 @@ def test_rmsnorm_values_and_gradients_are_the_plain_formula(batch):
   assert y.shape == x.shape
   assert_close_rel(y, y_ref, REL_REORDER)
   for got, ref in zip(vjp(g), vjp_ref(g)):
+    assert_close_rel(got, ref, REL_REORDER)
+
+
+def test_unmerged_rows_give_the_stacks_values_and_gradients():
+  """On TPUs (``backend.merged_rows`` False) ``Dense`` and ``RMSNorm`` run on [B, T, D] as it
+  is: a scanned, rematerialized stack over T = 13 (not a multiple of 8) gives the values and
+  gradients of the merged rows."""
+  rng = np.random.default_rng(0)
+  b, t, d = 2, 13, 32
+  x = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+  stack = Stack(3, n_heads=4, n_kv_heads=2, d_inner=64, rope_base=1e4, remat=True, scan=True)
+  params = stack.init(jax.random.PRNGKey(1), x, pos, mask)
+
+  def loss(params, x):
+    return jnp.sum(jnp.sin(stack.apply(params, x, pos, mask)[0]))
+
+  merged = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+  with backend.target("tpu"):
+    assert not backend.merged_rows()
+    unmerged = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+  for got, ref in zip(jax.tree.leaves(unmerged), jax.tree.leaves(merged)):
+    assert got.shape == ref.shape
     assert_close_rel(got, ref, REL_REORDER)
 
 

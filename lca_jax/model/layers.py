@@ -29,9 +29,10 @@ class Dense(nn.Module):
   """y = x W (+ b) over the last axis; parameters ``kernel`` [in, out] (and ``bias``) as in
   ``nn.Dense``, compute in ``dtype``.
 
-  The product runs on x flattened to [tokens, in]: with a [B, T, in] input, autodiff's weight
-  gradient would contract over two axes (B and T), for which XLA:CPU lays the activation
-  gradient out transposed through a slow strided fusion; one contracting axis needs no copy.
+  The product runs on x flattened to [tokens, in] (``dot_rows``): with a [B, T, in] input,
+  autodiff's weight gradient would contract over two axes (B and T), for which XLA:CPU lays the
+  activation gradient out transposed through a slow strided fusion; one contracting axis needs
+  no copy. On TPUs it runs on x as it is (``backend.merged_rows``).
   """
 
   features: int
@@ -56,9 +57,11 @@ class Dense(nn.Module):
 
 
 def dot_rows(x, kernel_IO, dtype):
-  """x [..., in] times kernel [in, out] as a [tokens, in] x [in, out] product in ``dtype``
-  (one contracting axis: see ``Dense``); returns [tokens, out]."""
-  return jnp.dot(x.reshape(-1, x.shape[-1]).astype(dtype), kernel_IO.astype(dtype))
+  """x [..., in] times kernel [in, out] in ``dtype``: a [tokens, in] x [in, out] product (one
+  contracting axis: see ``Dense``) returning [tokens, out] where ``backend.merged_rows()``,
+  else the product over x's own axes, [..., out]."""
+  x = x.reshape(-1, x.shape[-1]) if backend.merged_rows() else x
+  return jnp.dot(x.astype(dtype), kernel_IO.astype(dtype))
 
 
 def dot_rows_oi(x, kernel_OI, dtype):
@@ -213,7 +216,8 @@ class RMSNorm(nn.Module):
     scale = self.param(
       "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],)
     )
-    xf = rows.merged(x.astype(jnp.float32))  # [N, D]: see model/rows.py
+    xf = x.astype(jnp.float32)
+    xf = rows.merged(xf) if backend.merged_rows() else xf  # [N, D]: see model/rows.py
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     return (y * scale).reshape(x.shape).astype(x.dtype)
 
