@@ -4,7 +4,7 @@ A few choices in the model and the decode engine depend on the backend that runs
 each a function here that the model calls: Pallas kernels are interpreted on the CPU and
 lowered to Triton on GPUs (``pallas_interpret``), the LCA attention kernel is the Mosaic one on
 TPUs (``tpu_attention_kernel``), dense products and norms merge the leading axes except on
-TPUs (``merged_rows``), the blockwise attention runs one loop nest
+TPUs over a row count that is not a whole number of tiles (``merged_rows``), the blockwise attention runs one loop nest
 per core on the CPU (``attention_threads``), the CPU runs a cached attention of a few columns
 as matrix-vector products (``matvec_cache_products``), a long decode block runs the latent LM
 at several widths on the CPU (``several_lm_widths``), GPUs decode with weights stored
@@ -68,14 +68,18 @@ def tpu_attention_kernel() -> bool:
   return platform() == "tpu"
 
 
-def merged_rows() -> bool:
-  """Whether ``layers.Dense`` and ``layers.RMSNorm`` run on [tokens, features] views of their
-  [B, T, features] inputs (``model/rows.py``, ``layers.Dense``: XLA:CPU's fusions need them)
-  rather than on the inputs as they are: everywhere but on TPUs. A TPU array is tiled by
-  8 rows x 128 lanes over its last two axes, so merging B and T moves the data whenever T is
-  not a multiple of 8 (the latent stack's slots), and the TPU's products take [B, T, D] as it
-  is."""
-  return platform() != "tpu"
+# rows of a TPU array's tile over its second-last axis (the tile is 8 rows x 128 lanes)
+TPU_TILE_ROWS = 8
+
+
+def merged_rows(rows: int) -> bool:
+  """Whether ``layers.Dense`` and ``layers.RMSNorm`` run on a [tokens, features] view of a
+  [B, rows, features] input (``model/rows.py``, ``layers.Dense``: XLA:CPU's fusions need it)
+  rather than on the input as it is: everywhere but on TPUs when ``rows`` is not a multiple of
+  ``TPU_TILE_ROWS`` (the latent stack's slots). A TPU array is tiled over its last two axes,
+  so merging B into such a row axis moves the data; with whole tiles the view is free and
+  XLA:TPU fuses the merged form better."""
+  return platform() != "tpu" or rows % TPU_TILE_ROWS == 0
 
 
 def matvec_cache_products(columns: int, max_columns: int) -> bool:

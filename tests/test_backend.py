@@ -25,7 +25,7 @@ def _choices() -> dict:
     matvec=[backend.matvec_cache_products(c, 8) for c in (1, 2, 8, 9)],
     widths=backend.several_lm_widths(),
     row_major=backend.row_major_kernels(),
-    merged_rows=backend.merged_rows(),
+    merged_rows=[backend.merged_rows(n) for n in (13, 16)],
   )
 
 
@@ -38,7 +38,7 @@ def test_cpu_choices():
     matvec=[False, True, True, False],
     widths=True,
     row_major=False,
-    merged_rows=True,
+    merged_rows=[True, True],
   )
 
 
@@ -52,7 +52,7 @@ def test_accelerator_choices(name):
     matvec=[False] * 4,
     widths=False,
     row_major=name == "gpu",
-    merged_rows=name == "gpu",
+    merged_rows=[name == "gpu", True],
   )
   with backend.target("cpu"):
     with backend.target(name):

@@ -3,7 +3,7 @@
 XLA:CPU's YNNPACK fusions reduce a product over the last axis of [1, T, D] 10-20x slower than
 over [T, D] (model/rows.py). The RMSNorm, the pooling weights and the attention backward
 compute those products on a rows view; these tests check that the view changes no value or
-gradient (nor does running on [B, T, D] as it is, as on TPUs), and that the backward of the
+gradient (nor does running on [B, T, D] as it is, as on TPUs at some T), and that the backward of the
 whole model at batch 1 is left with no reduction whose result is [1, T, ...] (the form the slow
 path takes; the test fails on the code before the rows views: the RMSNorm's input gradient,
 the pooling weights' gradient and the attention backward's row sums).
@@ -64,8 +64,8 @@ def test_rmsnorm_values_and_gradients_are_the_plain_formula(batch):
 
 
 def test_unmerged_rows_give_the_stacks_values_and_gradients():
-  """On TPUs (``backend.merged_rows`` False) ``Dense`` and ``RMSNorm`` run on [B, T, D] as it
-  is: a scanned, rematerialized stack over T = 13 (not a multiple of 8) gives the values and
+  """On TPUs, with T not a multiple of 8 (``backend.merged_rows`` False), ``Dense`` and
+  ``RMSNorm`` run on [B, T, D] as it is: a scanned, rematerialized stack over T = 13 (not a multiple of 8) gives the values and
   gradients of the merged rows."""
   rng = np.random.default_rng(0)
   b, t, d = 2, 13, 32
@@ -80,7 +80,7 @@ def test_unmerged_rows_give_the_stacks_values_and_gradients():
 
   merged = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
   with backend.target("tpu"):
-    assert not backend.merged_rows()
+    assert not backend.merged_rows(t)
     unmerged = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
   for got, ref in zip(jax.tree.leaves(unmerged), jax.tree.leaves(merged)):
     assert got.shape == ref.shape

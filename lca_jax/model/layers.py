@@ -32,7 +32,8 @@ class Dense(nn.Module):
   The product runs on x flattened to [tokens, in] (``dot_rows``): with a [B, T, in] input,
   autodiff's weight gradient would contract over two axes (B and T), for which XLA:CPU lays the
   activation gradient out transposed through a slow strided fusion; one contracting axis needs
-  no copy. On TPUs it runs on x as it is (``backend.merged_rows``).
+  no copy. On TPUs, over a row count that is not a multiple of the tile's, it runs on x as it
+  is (``backend.merged_rows``).
   """
 
   features: int
@@ -58,10 +59,15 @@ class Dense(nn.Module):
 
 def dot_rows(x, kernel_IO, dtype):
   """x [..., in] times kernel [in, out] in ``dtype``: a [tokens, in] x [in, out] product (one
-  contracting axis: see ``Dense``) returning [tokens, out] where ``backend.merged_rows()``,
+  contracting axis: see ``Dense``) returning [tokens, out] where ``backend.merged_rows`` says,
   else the product over x's own axes, [..., out]."""
-  x = x.reshape(-1, x.shape[-1]) if backend.merged_rows() else x
+  x = x.reshape(-1, x.shape[-1]) if _merge(x) else x
   return jnp.dot(x.astype(dtype), kernel_IO.astype(dtype))
+
+
+def _merge(x) -> bool:
+  """Whether x [..., rows, features] runs as a [tokens, features] view (``backend.merged_rows``)."""
+  return x.ndim < 3 or backend.merged_rows(x.shape[-2])
 
 
 def dot_rows_oi(x, kernel_OI, dtype):
@@ -217,7 +223,7 @@ class RMSNorm(nn.Module):
       "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],)
     )
     xf = x.astype(jnp.float32)
-    xf = rows.merged(xf) if backend.merged_rows() else xf  # [N, D]: see model/rows.py
+    xf = rows.merged(xf) if _merge(xf) else xf  # [N, D]: see model/rows.py
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     return (y * scale).reshape(x.shape).astype(x.dtype)
 
