@@ -4,7 +4,8 @@ A few choices in the model and the decode engine depend on the backend that runs
 each a function here that the model calls: Pallas kernels are interpreted on the CPU and
 lowered to Triton on GPUs (``pallas_interpret``), the LCA attention kernel is the Mosaic one on
 TPUs (``tpu_attention_kernel``), dense products and norms merge the leading axes except on
-TPUs over a row count that is not a whole number of tiles (``merged_rows``), the blockwise attention runs one loop nest
+TPUs over a row count that is not a whole number of tiles (``merged_rows``), RoPE rotates
+through a product on TPUs (``rope_by_product``), the blockwise attention runs one loop nest
 per core on the CPU (``attention_threads``), the CPU runs a cached attention of a few columns
 as matrix-vector products (``matvec_cache_products``), a long decode block runs the latent LM
 at several widths on the CPU (``several_lm_widths``), GPUs decode with weights stored
@@ -80,6 +81,13 @@ def merged_rows(rows: int) -> bool:
   so merging B into such a row axis moves the data; with whole tiles the view is free and
   XLA:TPU fuses the merged form better."""
   return platform() != "tpu" or rows % TPU_TILE_ROWS == 0
+
+
+def rope_by_product() -> bool:
+  """Whether ``layers.rope`` rotates a bfloat16 input's halves through a product with a signed
+  permutation (``layers._rope_product``, exact) rather than slices: on TPUs, where XLA fuses
+  the product with the rest of RoPE."""
+  return platform() == "tpu"
 
 
 def matvec_cache_products(columns: int, max_columns: int) -> bool:

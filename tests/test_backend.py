@@ -2,7 +2,7 @@
 (jax's default backend, or a ``backend.target`` block, as every test here names), and the
 model makes each choice by asking it (Pallas interpret mode, blockwise loop nests,
 matrix-vector products over a cache, latent LM widths of a long decode block, [out, in] decode
-weights, dense products and norms over merged rows)."""
+weights, dense products and norms over merged rows, RoPE through a product)."""
 
 import os
 
@@ -26,6 +26,7 @@ def _choices() -> dict:
     widths=backend.several_lm_widths(),
     row_major=backend.row_major_kernels(),
     merged_rows=[backend.merged_rows(n) for n in (13, 16)],
+    rope_product=backend.rope_by_product(),
   )
 
 
@@ -39,6 +40,7 @@ def test_cpu_choices():
     widths=True,
     row_major=False,
     merged_rows=[True, True],
+    rope_product=False,
   )
 
 
@@ -53,6 +55,7 @@ def test_accelerator_choices(name):
     widths=False,
     row_major=name == "gpu",
     merged_rows=[name == "gpu", True],
+    rope_product=name == "tpu",
   )
   with backend.target("cpu"):
     with backend.target(name):

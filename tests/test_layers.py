@@ -1,8 +1,9 @@
 """RoPE: the host tables a call gathers from (``rope_len`` > 0, the model's default) equal the
 cos / sin computed inline; a position past the table is NaN, never a wrong rotation. A scanned
-stack (``Stack.scan``) is its blocks applied in turn, dropout included. Attention over a KV
-cache (``kv_cache.KVCache`` + ``CacheAccess``: ragged write slots, windows, deferred writes,
-old slots) equals self-attention over the same tokens."""
+stack (``Stack.scan``) is its blocks applied in turn, dropout included. RoPE through a product
+(TPUs) is RoPE through slices. Attention over a KV cache (``kv_cache.KVCache`` +
+``CacheAccess``: ragged write slots, windows, deferred writes, old slots) equals self-attention
+over the same tokens."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import assert_close_rel
 
+from lca_jax import backend
 from lca_jax.model import layers, masks
 from lca_jax.model.kv_cache import CacheAccess, KVCache
 
@@ -216,3 +218,27 @@ def test_block_write_b_is_a_plain_cache_access():
     stack.apply(
       params, x, pos, mask, caches=caches, write_B=pos[:, 0], access=CacheAccess(pos[:, 0])
     )
+
+
+def test_rope_by_product_gives_the_slices_values_and_gradients():
+  """On TPUs (``backend.rope_by_product``) a bfloat16 x is rotated as x R: the same values and
+  gradients, bit for bit, as the slices."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((2, 7, 3, 16)), jnp.bfloat16)
+  g = jnp.asarray(rng.standard_normal((2, 7, 3, 16)), jnp.bfloat16)
+  cos_sin = layers.rope_cos_sin(jnp.broadcast_to(jnp.arange(7), (2, 7)), 16, 1e4, 32)
+  plain, vjp = jax.vjp(lambda x: layers.rope(x, cos_sin), x)
+  with backend.target("tpu"):
+    assert backend.rope_by_product()
+    by_product, vjp_product = jax.vjp(lambda x: layers.rope(x, cos_sin), x)
+    (dx_product,) = vjp_product(g)
+  assert by_product.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(by_product, np.float32), np.asarray(plain, np.float32))
+  np.testing.assert_array_equal(
+    np.asarray(dx_product, np.float32), np.asarray(vjp(g)[0], np.float32)
+  )
+  e = 16
+  np.testing.assert_array_equal(
+    np.arange(e) @ layers.rotate_half_EE(e),
+    np.concatenate([-np.arange(e // 2, e), np.arange(e // 2)]),
+  )

@@ -272,12 +272,51 @@ def rope_rows(positions_BT, head_dim: int, base: float, max_len: int = 0):
 
 
 def rope(x_BTHE, cos_sin):
-  """Rotate-half RoPE of x [B, T, H, E] with ``rope_cos_sin``'s (cos, sin)."""
+  """Rotate-half RoPE of x [B, T, H, E] with ``rope_cos_sin``'s (cos, sin); a bfloat16 x
+  where ``backend.rope_by_product()`` says through ``_rope_product`` (the same values)."""
   cos, sin = cos_sin
+  if x_BTHE.dtype == jnp.bfloat16 and backend.rope_by_product():
+    return _rope_product(x_BTHE, cos, sin)
   xf = x_BTHE.astype(jnp.float32)
   x1, x2 = jnp.split(xf, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   return (xf * cos + rotated * sin).astype(x_BTHE.dtype)
+
+
+def rotate_half_EE(e: int) -> np.ndarray:
+  """The signed permutation R [E, E] with x R = cat(-x2, x1) for x = cat(x1, x2)."""
+  r = np.zeros((e, e), np.float32)
+  half = np.arange(e // 2)
+  r[half + e // 2, half] = -1.0
+  r[half, half + e // 2] = 1.0
+  return r
+
+
+@jax.custom_vjp
+def _rope_product(x_BTHE, cos, sin):
+  """``rope`` of a bfloat16 x with its rotated halves computed as x R (``rotate_half_EE``) in
+  float32: each output sums one signed element of x and zeros, the values of the slices.
+  XLA:TPU then keeps the projections' outputs in bfloat16 and runs RoPE as one fusion over
+  them; with the slices it writes x out in float32 and its halves apart. The gradient is the
+  plain ``rope``'s (the product's would round g sin to bfloat16)."""
+  r = jnp.asarray(rotate_half_EE(x_BTHE.shape[-1]), x_BTHE.dtype)
+  rotated = jnp.dot(x_BTHE, r, preferred_element_type=jnp.float32)
+  return (x_BTHE.astype(jnp.float32) * cos + rotated * sin).astype(x_BTHE.dtype)
+
+
+def _rope_product_fwd(x_BTHE, cos, sin):
+  return _rope_product(x_BTHE, cos, sin), (cos, sin)
+
+
+def _rope_product_bwd(residuals, g_BTHE):
+  cos, sin = residuals
+  g = g_BTHE.astype(jnp.float32)
+  g1, g2 = jnp.split(g * sin, 2, axis=-1)
+  dx = g * cos + jnp.concatenate([g2, -g1], axis=-1)  # the transpose of the rotation
+  return dx.astype(g_BTHE.dtype), jnp.zeros_like(cos), jnp.zeros_like(sin)
+
+
+_rope_product.defvjp(_rope_product_fwd, _rope_product_bwd)
 
 
 def masked_attention(q_BTHE, k, v, mask_BTS, *, head_major: bool = False):
