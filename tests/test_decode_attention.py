@@ -41,10 +41,22 @@ def _xla(qkv, pos, cache, mask, access, rows, h, rope_len):
 
 
 def _check(
-  qkv, pos, cache, mask, access, dtype, rows=None, h=4, block_s=8, rope_len=512, causal=False
+  qkv,
+  pos,
+  cache,
+  mask,
+  access,
+  dtype,
+  rows=None,
+  h=4,
+  block_s=8,
+  rope_len=512,
+  causal=False,
+  read_slots=None,
 ):
   """The kernel against the XLA path; with ``causal`` the kernel compares slots with the
-  queries' positions (``last_slot_BR``) where the XLA path reads ``mask`` (the causal one)."""
+  queries' positions (``last_slot_BR``) where the XLA path reads ``mask`` (the causal one);
+  ``read_slots`` (traced) passed to the kernel in place of ``access.old_slots``."""
   want_out, want_kv = _xla(qkv, pos, cache, mask, access, rows, h, rope_len)
   take = lambda x: x if rows is None else layers.take_rows(x, rows)
   got_out, got_kv = da.cache_attention(
@@ -57,8 +69,9 @@ def _check(
     access.window_B,
     rows,
     take(pos) if causal else None,
+    read_slots,
     n_heads=h,
-    old_slots=access.old_slots,
+    old_slots=None if read_slots is not None else access.old_slots,
     write=not access.defer_write,
     interpret=True,
     block_s=block_s,
@@ -90,6 +103,15 @@ def test_old_slots_read_only_the_first_slots(old_slots, defer_write):
   mask = jax.random.bernoulli(key, 0.6, (2, 3, cache.k.shape[2]))
   access = CacheAccess(jnp.array([20, 17], jnp.int32), old_slots=old_slots, defer_write=defer_write)
   _check(qkv, pos, cache, mask, access, jnp.float32)
+
+
+@pytest.mark.parametrize("n", [0, 20, 64])
+def test_read_slots_known_at_run_time_bound_the_blocks_read(n):
+  """``read_slots``: ``old_slots`` as a traced value (the blocks past it are not read)."""
+  qkv, pos, cache, key = _inputs(9)
+  mask = jax.random.bernoulli(key, 0.6, (2, 3, cache.k.shape[2]))
+  access = CacheAccess(jnp.array([20, 33], jnp.int32), old_slots=n)
+  _check(qkv, pos, cache, mask, access, jnp.float32, read_slots=jnp.int32(n))
 
 
 @pytest.mark.parametrize("rope_len", [512, 0])

@@ -67,22 +67,6 @@ def test_a_chunked_input_and_a_ragged_output_block_still_cover_every_column():
   _close(got, _dot_oi(_norm(x, jnp.ones(384), 1e-6), w, jnp.float32), jnp.float32)
 
 
-@pytest.mark.parametrize("t", [1, 3, 4])
-def test_write_slots_stores_every_layer_s_entries_in_place_like_write_kv(t):
-  rng = np.random.default_rng(t)
-  n, b, kv, slots, e = 3, 2, 2, 12, 16
-  draw = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-  caches = tuple((draw(b, kv, slots, e), draw(b, kv, e, slots)) for _ in range(n))
-  new_k, new_v = draw(n, b, kv, t, e), draw(n, b, kv, e, t)
-  start = jnp.array([3, slots - 1])  # the second row's start is clamped so that t slots fit
-  want = [layers.write_kv(c, (new_k[i], new_v[i]), start) for i, c in enumerate(caches)]
-  got = df.write_slots(caches, new_k, new_v, start, interpret=True)
-  for (k, v), w in zip(got, want):
-    np.testing.assert_array_equal(k, w.k)
-    np.testing.assert_array_equal(v, w.v)
-  assert df.writes_slots(t) and not df.writes_slots(df.MAX_SLOTS + 1)
-
-
 @pytest.fixture(scope="module")
 def transposed_model():
   cfg = tiny_config("lca_mbp", max_seq_len=96)
@@ -90,14 +74,14 @@ def transposed_model():
   return Model(cfg, params)
 
 
-@pytest.mark.parametrize("mode,lm_variants", [("ntp", 1), ("verify", 1), ("ntp", 3)])
+@pytest.mark.parametrize("mode,lm_reads", [("ntp", "whole"), ("verify", "whole"), ("ntp", "parts")])
 def test_greedy_decoding_with_the_fused_kernels_equals_the_xla_path(
-  transposed_model, mode, lm_variants, monkeypatch, request
+  transposed_model, mode, lm_reads, monkeypatch, request
 ):
-  """With one latent-LM branch the LM writes its caches in place inside it; with several (the
-  LM cache read in parts, ``incremental.lm_reads``) the branches return the new entries and one
-  kernel writes them all (``write_slots``)."""
-  if lm_variants > 1:  # traced anew (no cached programs) with the patched reads
+  """The fused path's latent LM writes its caches in place and reads the slots it needs, known
+  at run time (``CacheAccess.read_slots``); the XLA path reads the whole LM cache, or with
+  ``parts`` the smallest of its static parts that holds them (``incremental.lm_reads``)."""
+  if lm_reads == "parts":  # traced anew (no cached programs) with the patched reads
     jax.clear_caches()
     request.addfinalizer(jax.clear_caches)
     monkeypatch.setattr(engine, "_EXECUTABLES", ExecutableCache(capacity=4))
@@ -105,10 +89,9 @@ def test_greedy_decoding_with_the_fused_kernels_equals_the_xla_path(
     monkeypatch.setattr(incremental, "LM_READS_SHARE", 0.0)
   prompts = ["The hacker ", "ab"]  # a batch of two, ragged
   kw = dict(mode=mode, n=3, max_bytes=24) if mode == "verify" else dict(mode=mode, max_bytes=24)
-  traced, writes = [], []
-  kernel, write = df.norm_matvec, df.write_slots
+  traced = []
+  kernel = df.norm_matvec
   monkeypatch.setattr(df, "norm_matvec", lambda *a, **k: traced.append(1) or kernel(*a, **k))
-  monkeypatch.setattr(df, "write_slots", lambda *a, **k: writes.append(1) or write(*a, **k))
   with backend.fused_decode(False):
     ref = transposed_model.generate(prompts, **kw)
   assert not traced
@@ -116,7 +99,6 @@ def test_greedy_decoding_with_the_fused_kernels_equals_the_xla_path(
     got = transposed_model.generate(prompts, **kw)
   layers_per_step = sum(getattr(transposed_model.cfg, f"n_{s}") for s in ("enc", "lm", "dec"))
   assert len(traced) >= layers_per_step  # every block of the step took the fused path
-  assert bool(writes) == (lm_variants > 1)  # the LM's deferred entries written in one kernel
   assert got.texts == ref.texts
   if mode == "verify":  # verify's greedy text is ntp's, with the kernels too
     with backend.fused_decode(True):

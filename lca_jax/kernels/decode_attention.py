@@ -7,7 +7,7 @@ rows of a decode step, taking the fused q/k/v projection as it comes out of
 of k, a copy of v, scores, softmax, values, the writes); here it is one, with one program per
 (row, kv head, query row) reading the cache in blocks of ``block_s`` slots with an online
 softmax. The new keys and values are stored into the caches in place (``write=True``) or
-returned for a later ``write_slots`` (``defer_write``).
+returned for the caller to write later (``defer_write``).
 
 Numerics follow the XLA path: RoPE in float32 rounded to the compute dtype, scores and the
 softmax in float32 (scaled by 1/sqrt(E), masked to ``NEG_INF``), probabilities cast to the
@@ -61,6 +61,7 @@ def _kernel(
   allow_ref,
   win_ref,
   start_ref,
+  read_ref,
   kc_ref,
   vc_ref,
   *outs,
@@ -90,6 +91,7 @@ def _kernel(
   start = jnp.clip(start_ref[b], 0, slots - t)  # as ``layers.write_kv`` clamps it
   win = jnp.clip(win_ref[b], 0, slots - w)
   rel = start - win  # the new entries' first window column
+  n_read = jnp.minimum(read_ref[0], n_old)  # the slots that can hold earlier keys
 
   def allowed_at(col, n):
     """Whether this query row may attend window columns col .. col + n - 1: up to its
@@ -128,7 +130,7 @@ def _kernel(
     s0 = jnp.minimum(u0, slots - bs)
     col = s0 - win + jnp.arange(bs)
     fresh = (col >= rel) & (col < rel + t)
-    allowed = allowed_at(s0 - win, bs) & (col >= i * bs) & (col < n_old) & ~fresh
+    allowed = allowed_at(s0 - win, bs) & (col >= i * bs) & (col < n_read) & ~fresh
     keys = pl.ds(s0, bs)
     sc = rows_product(q1, kc_ref[b, kh, keys, lo].astype(dtype), False)
     sc = sc + rows_product(q2, kc_ref[b, kh, keys, hi].astype(dtype), False)
@@ -141,7 +143,7 @@ def _kernel(
     jnp.zeros((g, e), jnp.float32),
   )
   if nb:
-    carry = lax.fori_loop(0, nb, old_block, carry)
+    carry = lax.fori_loop(0, jnp.minimum(nb, (n_read + bs - 1) // bs), old_block, carry)
   new = []  # the new entries: rotated key halves and value of each new position
   for j in range(t):
     k1, k2 = _rotate(
@@ -181,6 +183,7 @@ def cache_attention(
   window_B=None,
   rows_BR=None,
   last_slot_BR=None,
+  read_slots=None,
   *,
   n_heads: int,
   old_slots=None,
@@ -197,7 +200,8 @@ def cache_attention(
   each query may attend: ``window_B`` .. + W of its row (the whole cache, W = S, without a
   window); ``start_B`` where the new entries go (clamped so that T fit, as
   ``layers.write_kv``); ``rows_BR`` which positions query (default: all T, R = T);
-  ``old_slots`` (static) as in ``cached_attention``. ``last_slot_BR`` (no window, no mask):
+  ``old_slots`` (static) as in ``cached_attention``; ``read_slots`` ([] int32, traced) the
+  same bound known only at run time: the blocks past it are not read. ``last_slot_BR`` (no window, no mask):
   each query attends the slots up to its own (``masks.cache_causal_mask`` of its position),
   compared inside the kernel instead of read from a mask. The new entries' slots are read from
   ``qkv``, not the cache. Returns (out [B, R, H, E], caches with the new entries stored in
@@ -214,6 +218,7 @@ def cache_attention(
   r = rows.shape[1]
   n_old = w if old_slots is None else min(old_slots, w)
   start = start_B.astype(jnp.int32)
+  read = jnp.full((1,), slots if read_slots is None else read_slots, jnp.int32)
   win = jnp.zeros_like(start) if window_B is None else window_B.astype(jnp.int32)
   bs = block_slots(slots, h // kv, e, block_s)
   nb = -(-n_old // bs)
@@ -237,7 +242,7 @@ def cache_attention(
     ),
     grid=(b, kv, r),
     out_shape=[jax.ShapeDtypeStruct((b, r, h, e), qkv_BTCE.dtype)] + extra_shapes,
-    input_output_aliases={6: 1, 7: 2} if write else {},
+    input_output_aliases={7: 1, 8: 2} if write else {},
     compiler_params=compiler_params(num_warps=4, num_stages=1),
     interpret=interpret,
     name="decode_cache_attention",
@@ -248,6 +253,7 @@ def cache_attention(
     allow,
     win,
     start,
+    read,
     cache_k_BKSE,
     cache_v_BKES,
   )

@@ -31,7 +31,6 @@ from jax.experimental.pallas import triton as plgpu
 
 MIN_ROWS = 16  # a Triton dot needs every dimension >= 16
 MAX_ROWS = 64  # more rows (a prefill) are a GEMM: XLA's kernels serve them
-MAX_SLOTS = 16  # new cache slots ``write_slots`` takes per layer (unrolled when not 2^k)
 BLOCK_N = 32
 BLOCK_K = 128
 
@@ -215,47 +214,3 @@ def matvec_residual(
     interpret=interpret,
     name="decode_matvec_residual",
   )(x_MK, w, res_MN)
-
-
-def _write_slots_kernel(start_ref, nk_ref, nv_ref, *refs, n: int, t: int, slots: int):
-  outs = refs[2 * n :]  # the caches, aliased to the inputs refs[: 2 n]
-  b, h = pl.program_id(0), pl.program_id(1)
-  s = jnp.clip(start_ref[b], 0, slots - t)
-  # T slots at once when T is a power of two (Triton's block shapes), else slot by slot
-  runs = [(0, t)] if t & (t - 1) == 0 else [(j, 1) for j in range(t)]
-  for i in range(n):
-    for j, w in runs:
-      new_k = nk_ref[i, b, h, pl.ds(j, w), :]
-      new_v = nv_ref[i, b, h, :, pl.ds(j, w)]
-      outs[i][b, h, pl.ds(s + j, w), :] = new_k.astype(outs[i].dtype)
-      outs[n + i][b, h, :, pl.ds(s + j, w)] = new_v.astype(outs[n + i].dtype)
-
-
-def writes_slots(t: int) -> bool:
-  """Whether ``write_slots`` takes ``t`` new slots: a decode step's few (a prefill's block
-  writes per layer)."""
-  return 1 <= t <= MAX_SLOTS
-
-
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def write_slots(caches, new_k, new_v, start_B, *, interpret=False):
-  """Every layer's new entries written into its cache in one kernel, in place.
-
-  ``caches``: per-layer (k [B, K, S, E], v [B, K, E, S]) pairs; ``new_k`` [N, B, K, T, E] and
-  ``new_v`` [N, B, K, E, T] the N layers' entries for slots ``start_B`` [B] of each row
-  (clamped so that T slots fit, as ``layers.write_kv`` does). Returns the caches, updated.
-  One program per (row, kv head); T at most ``MAX_SLOTS`` (``writes_slots``)."""
-  n = len(caches)
-  b, kv, slots, _ = caches[0][0].shape
-  t = new_k.shape[3]
-  flat = [c[0] for c in caches] + [c[1] for c in caches]
-  out = pl.pallas_call(
-    functools.partial(_write_slots_kernel, n=n, t=t, slots=slots),
-    grid=(b, kv),
-    out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat],
-    input_output_aliases={3 + i: i for i in range(2 * n)},
-    compiler_params=compiler_params(num_warps=1, num_stages=1),
-    interpret=interpret,
-    name="decode_write_slots",
-  )(start_B.astype(jnp.int32), new_k, new_v, *flat)
-  return tuple((out[i], out[n + i]) for i in range(n))

@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 
 from lca_jax import backend
-from lca_jax.kernels import decode_fused
 from lca_jax.model import boundaries as bnd
 from lca_jax.model import masks, pooling
 from lca_jax.model.config import ModelConfig
@@ -237,34 +236,32 @@ def _latent_lm(cfg, params, state: DecodeState, new_s_BKD, first_slot_B, n_new, 
   """The latent LM over the block's new groups (``new_s``, compacted, written from
   ``first_slot``) when some row closed one (``n_new`` > 0): the LM caches, z and s after it.
 
-  Each (slots run over, cache slots read) pair the block may need is one branch of a
-  ``lax.switch``: the smallest of each that holds every row's new groups and every row's earlier
-  slots (``lm_widths``, ``lm_reads``; a fresh LM cache holds the null group only). With one such
-  branch and the fused decode kernels (a step on a GPU), the branch writes the caches, z and s in
-  place and the idle branch passes them through: XLA adds no copy, and a step where no group
-  closes launches nothing for the LM. Otherwise the branches return the new cache entries
-  (``defer_write``) written after the switch (writes inside several branches made XLA copy the
+  With the fused decode kernels (a step on a GPU) the LM runs in one branch of a ``lax.switch``
+  that writes the caches, z and s in place, reading the cache slots up to the last row's first
+  new one (``CacheAccess.read_slots``); the idle branch (first) passes them through: XLA adds no
+  copy, and a step where no group closes launches nothing for the LM. Otherwise each (slots run
+  over, cache slots read) pair the block may need is one branch: the smallest of each that holds
+  every row's new groups and every row's earlier slots (``lm_widths``, ``lm_reads``; a fresh LM
+  cache holds the null group only). These branches return the new cache entries
+  (``defer_write``), written after the switch (writes inside several branches made XLA copy the
   caches), zeros when no group closed (slots past n_closed are garbage until a group closes
-  there): a step's few new slots as one stacked pair (the idle branch then fills two buffers, not
-  two per layer) written by one kernel with the fused kernels, a prefill's (``LM_WIDTHS_FROM``
-  slots or more) per layer (a stack would hold them all twice at its peak)."""
+  there): a step's few new slots as one stacked pair (the idle branch then fills two buffers,
+  not two per layer), a prefill's (``LM_WIDTHS_FROM`` slots or more) per layer (a stack would
+  hold them all twice at its peak)."""
   b, k = new_s_BKD.shape[:2]
   slot_pos = first_slot_B[:, None] + jnp.arange(k)[None, :]
   lm_mask = masks.cache_causal_mask(slot_pos, state.z.shape[1])
-  widths = lm_widths(k, backend.platform())
-  reads = (1,) if fresh else lm_reads(cfg, b, state.z.shape[1])
   stack = k < LM_WIDTHS_FROM
-  fused = stack and backend.fused_decode_kernels()
 
-  def lm(c, old, caches, defer):
+  def lm(c, caches, **access):
     x, pos, mask = (a[:, :c] for a in (new_s_BKD, slot_pos, lm_mask))
-    access = CacheAccess(first_slot_B, old_slots=old, defer_write=defer, causal=True)
-    return _stack(cfg, params, "lm", x, pos, mask, caches, access)
+    return _stack(cfg, params, "lm", x, pos, mask, caches, CacheAccess(first_slot_B, **access))
 
-  if fused and len(widths) * len(reads) == 1:
+  if stack and backend.fused_decode_kernels():
 
     def in_place(caches, z, s):
-      z_new, caches = lm(k, reads[0], caches, False)
+      old = 1 if fresh else None
+      z_new, caches = lm(k, caches, read_slots=first_slot_B.max(), old_slots=old, causal=True)
       return caches, write_rows(z, z_new, first_slot_B), write_rows(s, new_s_BKD, first_slot_B)
 
     args = (tuple(state.lm), state.z, state.s)
@@ -272,11 +269,14 @@ def _latent_lm(cfg, params, state: DecodeState, new_s_BKD, first_slot_B, n_new, 
 
   def deferred(c, old):
     def run():
-      z, kv = _pad_slots(*lm(c, old, state.lm, True), k)
+      z, kv = lm(c, state.lm, old_slots=old, defer_write=True, causal=True)
+      z, kv = _pad_slots(z, kv, k)
       return z, _pack(kv, stack)
 
     return run
 
+  widths = lm_widths(k, backend.platform())
+  reads = (1,) if fresh else lm_reads(cfg, b, state.z.shape[1])
   i_width = jnp.sum(jnp.asarray(widths) < n_new)
   i_read = jnp.sum(jnp.asarray(reads[:-1], jnp.int32) < first_slot_B.max())
   pick = jnp.where(n_new == 0, 0, 1 + i_width * len(reads) + i_read)
@@ -287,11 +287,6 @@ def _latent_lm(cfg, params, state: DecodeState, new_s_BKD, first_slot_B, n_new, 
   z_new, lm_new = jax.lax.switch(pick, [idle] + [deferred(c, o) for c in widths for o in reads])
   z = write_rows(state.z, z_new, first_slot_B)
   s = write_rows(state.s, new_s_BKD, first_slot_B)
-  if fused and decode_fused.writes_slots(k):  # every LM layer's entries in one kernel
-    caches = decode_fused.write_slots(
-      state.lm, lm_new.k, lm_new.v, first_slot_B, interpret=backend.pallas_interpret()
-    )
-    return tuple(KVCache(*c) for c in caches), z, s
   return _write(state.lm, _unpack(lm_new, stack), first_slot_B), z, s
 
 

@@ -35,11 +35,14 @@ class CacheAccess:
   the step under ``lax.cond`` writes after it: writes inside both branches make XLA copy the
   caches). ``causal`` (static): the call's mask is ``masks.cache_causal_mask`` of the queries'
   positions (decoding's byte and latent stacks), which the decode attention kernel compares
-  with the slots instead of reading the mask.
+  with the slots instead of reading the mask. ``read_slots`` ([], traced): at run time, how many
+  first slots can hold earlier keys (as ``old_slots``); the decode attention kernel reads no
+  block past them, the XLA path reads as ``old_slots`` says (the rest is masked out anyway).
   """
 
   write_B: jax.Array
   window_B: Optional[jax.Array] = None
+  read_slots: Optional[jax.Array] = None
   old_slots: Optional[int] = flax.struct.field(pytree_node=False, default=None)
   defer_write: bool = flax.struct.field(pytree_node=False, default=False)
   causal: bool = flax.struct.field(pytree_node=False, default=False)

@@ -589,6 +589,7 @@ def _attend_cache_kernel(
     access.window_B,
     rows_BR,
     take(positions_BT) if causal else None,
+    access.read_slots,
     n_heads=n_heads,
     old_slots=access.old_slots,
     write=not access.defer_write,
