@@ -78,7 +78,7 @@ gpu-aot: $(CUDA_STAMP)
 VENV_TPU := .venv-tpu
 TPU_STAMP := $(VENV_TPU)/.installed
 TPU_AOT_OUT ?= workdirs/tpu_aot.json
-TPU_AOT_ARGS ?=
+TPU_AOT_ARGS ?= --fit
 
 $(TPU_STAMP): $(STAMP)
 	$(PY) -m venv $(VENV_TPU)

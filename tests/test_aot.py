@@ -207,6 +207,37 @@ def test_empty_branches_and_predicate_branches_are_branches_of_their_conditional
   assert (s["kernels"], s["kernels_least"]) == (6, 3)
 
 
+def test_a_tpu_program_xla_will_not_compile_for_lack_of_hbm_is_reported_as_not_fitting():
+  """XLA:TPU refuses a program whose temporaries exceed the HBM (RESOURCE_EXHAUSTED): the
+  report says it does not fit, with the compiler's figures, instead of stopping the tool."""
+  from lca_jax.aot import programs, tpu_check  # pylint: disable=g-import-not-at-top
+
+  message = (
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+    "temporaries (44.26G) exceeds available HBM (15.75G).\nmore"
+  )
+
+  class Lowered:
+    def compile(self):
+      raise jax.errors.JaxRuntimeError(message)
+
+  target = targets.parse("v5e")
+  prog = programs.Program("train_step", Lowered(), 4096, 4 * report.GB, dict(micro_batch=16))
+  r = tpu_check.check(prog, target, work=None)
+  m = r["memory"]
+  assert not m["fits"] and m["temp_gb"] == 44.26 and m["total_gb"] == 48.26
+  assert "44.26 GB" in m["verdict"] and "15.75 GB" in m["verdict"]
+  assert r["compile_error"].startswith("RESOURCE_EXHAUSTED") and "estimate" not in r
+  assert r["micro_batch"] == 16
+
+  class Broken:
+    def compile(self):
+      raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+  with pytest.raises(jax.errors.JaxRuntimeError):
+    tpu_check.check(programs.Program("p", Broken(), 16, 0, {}), target, work=None)
+
+
 # ---- error paths without the plugin ------------------------------------------------------
 @no_plugin
 def test_lca_train_aot_without_the_plugin_is_one_line_exit_2():
@@ -292,14 +323,14 @@ def test_decode_loop_is_one_cuda_graph(optimized, monkeypatch):
 def test_a_decode_step_that_runs_no_latent_lm_only_writes_the_lm_caches(
   optimized, batch, fused, monkeypatch
 ):
-  """The latent LM runs under a conditional whose branches return every layer's new cache
-  entries as one stacked pair, written after it: with the fused decode kernels (GPUs' default)
-  all layers' entries in one kernel, so more LM layers add nothing to a step where no group
-  closes (the smallest branch); without them (LCA_JAX_FUSED_DECODE=0) each LM layer adds only
-  the two writes of its keys and values (no zero entries per layer in the idle branch, no
-  select per write). A step that runs the LM launches each layer's own kernels: with the fused
-  kernels exactly five (norm + q/k/v, attention, output + residual, norm + gate/up, down +
-  residual)."""
+  """The latent LM runs under a conditional: with the fused decode kernels (GPUs' default) its
+  branch writes the caches in place and the idle branch passes them through, so more LM layers
+  add nothing to a step where no group closes (the smallest branch); without them
+  (LCA_JAX_FUSED_DECODE=0) the branches return every layer's new entries as one stacked pair,
+  written after it: each LM layer adds only the two writes of its keys and values (no zero
+  entries per layer in the idle branch, no select per write). A step that runs the LM launches
+  each layer's own kernels: with the fused kernels exactly five (norm + q/k/v, attention,
+  output + residual, norm + gate/up, down + residual)."""
   from lca_jax.aot import check  # pylint: disable=g-import-not-at-top
   from lca_jax.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
 
@@ -326,7 +357,7 @@ def test_the_fused_decode_kernels_replace_xla_s_kernels_of_each_layer(
 ):
   """A decode step compiled for an H100 runs each layer's dense parts as the Pallas kernels of
   kernels/decode_fused.py, its attention (RoPE, scores, softmax, values, cache write) as the
-  kernel of kernels/decode_attention.py, and the LM's cache writes as one kernel: fewer kernels
+  kernel of kernels/decode_attention.py, the LM's cache writes inside it: fewer kernels
   in both the idle and the LM step than with LCA_JAX_FUSED_DECODE=0, and no copy of a cache."""
   from lca_jax.aot import check  # pylint: disable=g-import-not-at-top
   from lca_jax.model.config import ModelConfig  # pylint: disable=g-import-not-at-top

@@ -12,7 +12,10 @@ bytes/s (``rates.decode_estimate``).
 
 from __future__ import annotations
 
+import re
 import time
+
+import jax
 
 from lca_jax import backend
 from lca_jax.aot import rates, report
@@ -20,6 +23,8 @@ from lca_jax.perf import tpu, workload
 
 GB = report.GB
 KERNEL_BLOCK = 128  # the TPU attention kernel's blocks (kernels.tpu_attention)
+# XLA:TPU refuses to compile a program whose temporaries alone exceed the HBM
+_EXHAUSTED = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
 
 
 def memory(compiled, device_bytes: int, state_bytes: int) -> dict:
@@ -31,6 +36,24 @@ def memory(compiled, device_bytes: int, state_bytes: int) -> dict:
     fits=free >= 0,
     verdict="fits in HBM" if free >= 0 else f"does not fit by {-free / GB:.2f} GB",
     margin_gb=round(free / GB, 3),
+  )
+
+
+def exhausted_memory(message: str, device_bytes: int, state_bytes: int) -> dict:
+  """The memory report of a program XLA:TPU would not compile for lack of HBM (its
+  RESOURCE_EXHAUSTED ``message``): temporaries as the compiler counted them, arguments taken as
+  the training state, and the verdict."""
+  m = _EXHAUSTED.search(message)
+  temp, allowed = (float(m.group(1)), float(m.group(2))) if m else (0.0, device_bytes / GB)
+  state = state_bytes / GB
+  return dict(
+    state_gb=round(state, 3),
+    temp_gb=round(temp, 3),
+    total_gb=round(state + temp, 3),
+    device_gb=round(device_bytes / GB, 3),
+    fits=False,
+    verdict=f"does not fit: XLA found temporaries of {temp:.2f} GB for {allowed:.2f} GB of HBM",
+    margin_gb=round(device_bytes / GB - state - temp, 3),
   )
 
 
@@ -61,13 +84,23 @@ def estimate_program(program, target, compiled, hlo_text: str, work) -> dict:
 
 def check(program, target, work, hlo_dir=None) -> dict:
   """The report of ``program`` compiled for TPU ``target`` (module docstring); with
-  ``hlo_dir``, its optimized HLO written there (``report.save_hlo``)."""
+  ``hlo_dir``, its optimized HLO written there (``report.save_hlo``). A program XLA will not
+  compile for lack of HBM is reported as not fitting (``exhausted_memory``, ``compile_error``)
+  with no estimate."""
   out = dict(program=program.name, target=str(target), device=target.device_name, unit="chip")
   t0 = time.perf_counter()
-  with backend.target("tpu"):
-    compiled = program.lowered.compile()
-  seconds = time.perf_counter() - t0
   out.update(program.info)
+  try:
+    with backend.target("tpu"):
+      compiled = program.lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    out.update(lower_s=round(program.lower_s, 2), compile_s=round(time.perf_counter() - t0, 2))
+    out["compile_error"] = str(e).splitlines()[0][:300]
+    out["memory"] = exhausted_memory(str(e), target.memory_bytes, program.state_bytes)
+    return out
+  seconds = time.perf_counter() - t0
   out.update(lower_s=round(program.lower_s, 2), compile_s=round(seconds, 2))
   out["memory"] = memory(compiled, target.memory_bytes, program.state_bytes)
   hlo_text = compiled.as_text()
