@@ -90,18 +90,19 @@ def check(program, target, work, hlo_dir=None) -> dict:
   out = dict(program=program.name, target=str(target), device=target.device_name, unit="chip")
   t0 = time.perf_counter()
   out.update(program.info)
+  compiled, error = None, ""
   try:
     with backend.target("tpu"):
       compiled = program.lowered.compile()
   except jax.errors.JaxRuntimeError as e:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
-    out.update(lower_s=round(program.lower_s, 2), compile_s=round(time.perf_counter() - t0, 2))
-    out["compile_error"] = str(e).splitlines()[0][:300]
-    out["memory"] = exhausted_memory(str(e), target.memory_bytes, program.state_bytes)
+    error = str(e)
+  out.update(lower_s=round(program.lower_s, 2), compile_s=round(time.perf_counter() - t0, 2))
+  if compiled is None:
+    out["compile_error"] = error.splitlines()[0][:300]
+    out["memory"] = exhausted_memory(error, target.memory_bytes, program.state_bytes)
     return out
-  seconds = time.perf_counter() - t0
-  out.update(lower_s=round(program.lower_s, 2), compile_s=round(seconds, 2))
   out["memory"] = memory(compiled, target.memory_bytes, program.state_bytes)
   hlo_text = compiled.as_text()
   report.save_hlo(hlo_dir, out, hlo_text)

@@ -237,9 +237,10 @@ def _latent_lm(cfg, params, state: DecodeState, new_s_BKD, first_slot_B, n_new, 
   ``first_slot``) when some row closed one (``n_new`` > 0): the LM caches, z and s after it.
 
   With the fused decode kernels (a step on a GPU) the LM runs in one branch of a ``lax.switch``
-  that writes the caches, z and s in place, reading the cache slots up to the last row's first
-  new one (``CacheAccess.read_slots``); the idle branch (first) passes them through: XLA adds no
-  copy, and a step where no group closes launches nothing for the LM. Otherwise each (slots run
+  that writes the caches, z and s in place, its attention kernel reading the cache slots up to
+  the last row's first new one (``CacheAccess.read_slots``; a step of more rows than the fused
+  kernels take runs XLA's layers, which read every slot); the idle branch (first) passes them
+  through: XLA adds no copy, and a step where no group closes launches nothing for the LM. Otherwise each (slots run
   over, cache slots read) pair the block may need is one branch: the smallest of each that holds
   every row's new groups and every row's earlier slots (``lm_widths``, ``lm_reads``; a fresh LM
   cache holds the null group only). These branches return the new cache entries

@@ -17,11 +17,10 @@ import re
 from typing import Dict, List, Optional
 
 _THUNK = re.compile(r"^(\s*)(\d+): (k\w+)\s*(?:\[[^\]]*\])?\s*(\S*)")
-_LABEL = re.compile(r"^(\s*)(condition|body|branch_\d+|true_branch|false_branch):\s*$")
+_LABELS = r"condition|body|branch_\d+|true_branch|false_branch"
+_LABEL = re.compile(rf"^(\s*)({_LABELS}):\s*$")
 # an empty branch prints "No thunks." with the next label on the same line
-_EMPTY = re.compile(
-  r"^\s*No thunks\.\s*(?:(condition|body|branch_\d+|true_branch|false_branch):)?\s*$"
-)
+_EMPTY = re.compile(rf"^\s*No thunks\.\s*(?:({_LABELS}):)?\s*$")
 _META = re.compile(r'profile_annotation: "([^"]*)"\s*thunk_id: (\d+)')
 SEQUENCE = ("*.thunk_sequence_after_thunk_passes.txt", "*.thunk_sequence.txt")
 METADATA = "*.thunk_metadata.txt"
