@@ -212,6 +212,9 @@ def test_tpu_reports_print_per_chip_and_say_which_estimate():
   assert "(16 per chip)" in head and "95.0 GB each" in head
   lines = text.program_lines(r)
   assert "per chip: fits in HBM" in lines[0] and not any("Triton" in x for x in lines)
+  assert text.setting(r) == " (16 rows per chip)"
+  assert text.setting(dict(r, remat=True, micro_batch_per_device=2)) == " (2 rows per chip, remat)"
+  assert text.setting(dict(program="decode", mode="ntp")) == ""
 
 
 # ---- with libtpu: real TPU executables ---------------------------------------------------
@@ -292,6 +295,7 @@ def test_tool_prints_json_for_a_tpu_target():
     + SMALL
   )
   assert r.returncode == 0, r.stderr[-2000:]
+  assert "v6e:1 train_step xla (2 rows per chip): compile" in r.stderr
   out = json.loads(r.stdout)
   assert out["tool"] == "tpu_aot" and [p["program"] for p in out["programs"]] == [
     "train_step",
@@ -343,11 +347,12 @@ def test_fit_search_tries_the_predicted_micro_batch_then_halves_then_remat(monke
   config = configs_io.load_config(TINY)
   config.train.micro_batch_size = 16
   tried = []
+  per_row = {False: 4.5, True: 1.5}  # GB of temporaries per row, 16 GB chips
 
   def fake(c, target, which, work, hlo_dir=None):
     rows, remat = c.train.micro_batch_size, c.model.remat
     tried.append((rows, remat))
-    temp = (4.0 if remat else 4.5) * rows  # GB: 72 at 16 rows, 16 GB chips
+    temp = per_row[remat] * rows
     mem = dict(device_gb=16.0, total_gb=temp + 1.0, temp_gb=temp, fits=temp + 1.0 <= 16.0)
     return [dict(memory=mem, micro_batch_per_device=rows)]
 
@@ -355,8 +360,21 @@ def test_fit_search_tries_the_predicted_micro_batch_then_halves_then_remat(monke
   first = fake(config, None, None, None)[0]
   tried.clear()
   out = check.fit_search(config, targets.parse("v5e"), first)
-  # 15 GB of room / 4.5 GB per row -> 3.3 rows -> 2 (fits: 10 GB); then 16 rows with remat
-  assert tried == [(2, False), (16, True)] and out[0]["memory"]["fits"]
+  # 15 GB of room / 4.5 GB per row -> 3.3 rows -> 2 (fits: 10 GB); 16 rows with remat (25 GB)
+  # do not fit: 15 / 1.5 -> 10 rows -> 8 with remat (13 GB) fit
+  assert tried == [(2, False), (16, True), (8, True)] and out[-1]["memory"]["fits"]
+  # with remat no better than without (4 GB a row), no remat setting below 2 rows is tried
+  per_row[True] = 4.0
+  tried.clear()
+  check.fit_search(config, targets.parse("v5e"), first)
+  assert tried == [(2, False), (16, True)]
+  # the prediction too hopeful: halved until one fits
+  per_row[False] = 20.0
+  first = fake(config, None, None, None)[0]
+  tried.clear()
+  out = check.fit_search(config, targets.parse("v5e"), first)
+  assert tried[:2] == [(1, False), (16, True)] and tried[-1] == (2, True)
+  assert out[-1]["memory"]["fits"]
 
 
 def test_a_padded_window_convolution_counts_only_the_taps_over_its_input():

@@ -129,7 +129,8 @@ def main(argv=None, kind: str = "gpu", description: str = "") -> int:
 
   def log(r):
     print(
-      f"{tool}: {r['target']} {r['program']} {r.get('attention_impl', r.get('mode', ''))}: "
+      f"{tool}: {r['target']} {r['program']} {r.get('attention_impl', r.get('mode', ''))}"
+      f"{text.setting(r)}: "
       f"compile {r['compile_s']} s, {r['memory']['total_gb']} GB ({r['memory']['verdict']})",
       file=sys.stderr,
     )

@@ -150,29 +150,46 @@ def decode_reports(
   return out
 
 
-def fit_search(config, target, first: dict, work: Workload = Workload(), hlo_dir=None) -> list:
-  """Train step reports of the settings tried after ``first`` (``config``'s, which does not
-  fit): the micro-batch that its temporaries predict would fit (temporaries taken as
-  proportional to the rows, rounded down to a power of two), halved until one fits, without
-  remat; then, when that is smaller than ``config``'s, ``config``'s micro-batch with remat."""
-  m = first["memory"]
-  per_device = first["micro_batch_per_device"]
+def _rows_that_might_fit(report: dict) -> int:
+  """Rows per device, a power of two below ``report``'s, that its temporaries (taken as
+  proportional to the rows) predict would fit; 0 when ``report`` has one row."""
+  m, per_device = report["memory"], report["micro_batch_per_device"]
   room = m["device_gb"] - (m["total_gb"] - m["temp_gb"])
   guess = per_device * room / m["temp_gb"] if m["temp_gb"] > 0 and room > 0 else 1
   rows = 1 << max(int(math.floor(math.log2(max(guess, 1)))), 0)
-  rows = min(rows, per_device // 2) if per_device > 1 else 0
+  return min(rows, per_device // 2)
+
+
+def _halve_until_fit(config, target, rows: int, above: int, remat: bool, work, hlo_dir) -> list:
+  """Train step reports at ``rows`` per device, halved while they do not fit and stay above
+  ``above``."""
   out = []
-  while rows >= 1:
+  while rows > above:
     c = config.copy_and_resolve_references()
     c.train.micro_batch_size = rows * target.n_devices
+    c.model.remat = remat
     out += train_reports(c, target, ("train_step",), work, hlo_dir)
     if out[-1]["memory"]["fits"]:
       break
     rows //= 2
-  if (not out or out[-1]["micro_batch_per_device"] < per_device) and not config.model.remat:
-    c = config.copy_and_resolve_references()
-    c.model.remat = True
-    out += train_reports(c, target, ("train_step",), work, hlo_dir)
+  return out
+
+
+def fit_search(config, target, first: dict, work: Workload = Workload(), hlo_dir=None) -> list:
+  """Train step reports of the settings tried after ``first`` (``config``'s, which does not
+  fit): the micro-batch its temporaries predict would fit, halved until one fits; then, when
+  that is smaller than ``config``'s and ``config`` has no remat, remat from ``config``'s
+  micro-batch down (predicted the same way after the first), above the rows that fit without."""
+  per_device = first["micro_batch_per_device"]
+  remat = bool(config.model.remat)
+  out = _halve_until_fit(config, target, _rows_that_might_fit(first), 0, remat, work, hlo_dir)
+  fitted = out[-1]["micro_batch_per_device"] if out and out[-1]["memory"]["fits"] else 0
+  if fitted < per_device and not remat:
+    with_remat = _halve_until_fit(config, target, per_device, per_device - 1, True, work, hlo_dir)
+    out += with_remat
+    if not with_remat[-1]["memory"]["fits"]:
+      rows = _rows_that_might_fit(with_remat[-1])
+      out += _halve_until_fit(config, target, rows, fitted, True, work, hlo_dir)
   return out
 
 

@@ -19,6 +19,15 @@ def header(r: dict) -> str:
   )
 
 
+def setting(r: dict) -> str:
+  """' (16 rows per GPU, remat)': a train or eval step's rows per device and remat, so the
+  settings a fit search compiles one after another tell apart; '' for other programs."""
+  if "micro_batch_per_device" not in r:
+    return ""
+  remat = ", remat" if r.get("remat") else ""
+  return f" ({r['micro_batch_per_device']} rows per {_unit(r)}{remat})"
+
+
 def _unit(r: dict) -> str:
   return r.get("unit", "GPU")
 
