@@ -90,6 +90,13 @@ def rope_by_product() -> bool:
   return platform() == "tpu"
 
 
+def row_by_row_writes() -> bool:
+  """Whether ``layers.write_rows`` writes a batch's rows as one ``dynamic_update_slice`` each
+  rather than as one batched write (a scatter): on TPUs, where XLA expands that scatter into a
+  loop over the rows of about ten ops a row (a decode step at batch 32 ran ~11,500 ops)."""
+  return platform() == "tpu"
+
+
 def matvec_cache_products(columns: int, max_columns: int) -> bool:
   """Whether a decode step's products over a KV cache with ``columns`` query columns per
   (row, kv head) run as one matrix-vector product per column, batched over rows and kv heads,

@@ -242,3 +242,28 @@ def test_rope_by_product_gives_the_slices_values_and_gradients():
     np.arange(e) @ layers.rotate_half_EE(e),
     np.concatenate([-np.arange(e // 2, e), np.arange(e // 2)]),
   )
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_row_by_row_writes_equal_the_batched_write(axis):
+  """On TPUs (``backend.row_by_row_writes``) each row's entries are one ``dynamic_update_slice``:
+  the batched write's result, with ragged starts and a start past the end clamped."""
+  rng = np.random.default_rng(5)
+  cache = jnp.asarray(rng.standard_normal((4, 3, 9, 5)), jnp.float32)
+  new_shape = (4, 3, 2, 5) if axis == 1 else (4, 2, 9, 5)
+  new = jnp.asarray(rng.standard_normal(new_shape), jnp.float32)
+  start = jnp.array([0, 7, 3, 8] if axis == 1 else [1, 0, 2, 1], jnp.int32)
+  batched = jax.jit(lambda c, n, s: layers.write_rows(c, n, s, axis=axis))(cache, new, start)
+  with backend.target("tpu"):
+    assert backend.row_by_row_writes()
+    by_row = jax.jit(lambda c, n, s: layers.write_rows(c, n, s, axis=axis))(cache, new, start)
+  np.testing.assert_array_equal(np.asarray(by_row), np.asarray(batched))
+  expect = np.asarray(cache).copy()
+  for b, s in enumerate(np.asarray(start)):
+    if axis == 1:
+      s = min(s, 9 - 2)
+      expect[b, :, s : s + 2] = np.asarray(new)[b]
+    else:
+      s = min(s, 3 - 2)
+      expect[b, s : s + 2] = np.asarray(new)[b]
+  np.testing.assert_array_equal(np.asarray(by_row), expect)

@@ -407,3 +407,19 @@ ENTRY %main (a: bf16[16,8,64,128], b: bf16[16,8,128,64]) -> f32[16,8,64,64] {
 """
   s = tpu.program_estimate(text, hardware.tpu("v5p"), op_s=0.0)
   assert s["flops"] == pytest.approx(2 * 16 * 8 * 64 * 64 * 128)
+
+
+def test_an_async_slice_into_vmem_reads_its_slice_once():
+  # XLA:TPU (v5e) prefetches a weight's rows into VMEM (S(1)) as slice-start / slice-done: its
+  # type holds the whole operand, the slice and a context scalar; only the slice moves
+  text = """\
+HloModule m
+
+ENTRY %main (w: bf16[1024,8192]) -> bf16[256,8192] {
+  %w = bf16[1024,8192]{1,0:T(8,128)(2,1)} parameter(0)
+  %slice-start.1 = ((bf16[1024,8192]{1,0:T(8,128)(2,1)}), bf16[256,8192]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[0:256], [0:8192]}
+  ROOT %slice-done.1 = bf16[256,8192]{1,0:T(8,128)(2,1)S(1)} slice-done(%slice-start.1)
+}
+"""
+  s = tpu.program_estimate(text, hardware.tpu("v5e"), op_s=0.0)
+  assert s["bytes"] == pytest.approx(256 * 8192 * 2, rel=1e-3) and s["launches"] == 1

@@ -346,10 +346,16 @@ def write_rows(cache_BS, new_BT, start_B, axis: int = 0):
 
   One row is one ``dynamic_update_slice`` (XLA writes it in place, fused with what computes
   ``new``); several rows are the per-row write's batching (a scatter, which XLA:GPU lowers for a
-  single row as a read of the old slice, a select and the write: two kernels)."""
+  single row as a read of the old slice, a select and the write: two kernels), or one
+  ``dynamic_update_slice`` per row where ``backend.row_by_row_writes`` says so."""
   new_BT = new_BT.astype(cache_BS.dtype)
-  if cache_BS.shape[0] == 1:
-    return jax.lax.dynamic_update_slice_in_dim(cache_BS, new_BT, start_B[0], axis=axis + 1)
+  rows = cache_BS.shape[0]
+  if rows == 1 or backend.row_by_row_writes():
+    for b in range(rows):
+      at = [0] * cache_BS.ndim
+      at[0], at[axis + 1] = b, start_B[b]
+      cache_BS = jax.lax.dynamic_update_slice(cache_BS, new_BT[b : b + 1], at)
+    return cache_BS
 
   def one(c, n, s):
     return jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=axis)

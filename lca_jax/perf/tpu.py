@@ -39,6 +39,7 @@ FREE = hlo_stats.FREE_OPS | frozenset(
   {
     "copy-start",
     "copy-done",
+    "slice-done",
     "async-done",
     "async-update",
     "all-gather-done",
@@ -188,6 +189,10 @@ class Walker:
         c = self._bytes(c, 2.0 * update)
       elif c is not None and instr.op in estimate.SLICING:  # reads and writes the slice
         c = self._bytes(c, 2.0 * hlo.nbytes(instr.type))
+      elif c is not None and instr.op == "slice-start":
+        # an async slice into another memory space (a weight's rows prefetched into VMEM): its
+        # type is ((operands), slices, s32[] context); it reads the slices from HBM once
+        c = self._bytes(c, hlo.nbytes(instr.type) - _operand_bytes(self.module, instr))
       if c is not None and instr.op == "custom-call" and _target(instr) == "tpu_custom_call":
         flops = pallas_flops(self.module, instr, self.hints)
         peak = self.chip.bf16_flops
@@ -251,6 +256,10 @@ class Walker:
             tally.launches += 1
             tally.launches_s += self.op_s
     return tally
+
+
+def _operand_bytes(module: hlo.Module, instr: hlo.Instr) -> float:
+  return sum(hlo.nbytes(module.type_of(o)) for o in instr.operands)
 
 
 def _size(module: hlo.Module, computation: str, seen=None) -> int:
