@@ -22,6 +22,7 @@ empty (hence the estimate of ``lca_jax.perf``).
 
 from __future__ import annotations
 
+import gc
 import math
 import tempfile
 import time
@@ -123,7 +124,17 @@ def train_reports(
 ) -> list:
   """Reports of the train and eval steps ``lca-train`` runs for ``config`` on ``target``."""
   progs = programs.train_programs(config, targets.devices(target))
-  return [check(p, target, work=work, hlo_dir=hlo_dir) for p in progs if p.name in which]
+  out = [check(p, target, work=work, hlo_dir=hlo_dir) for p in progs if p.name in which]
+  del progs
+  _release()
+  return out
+
+
+def _release() -> None:
+  """Drop jax's caches of the programs just compiled: a run of many paper-scale programs in one
+  process otherwise grows until the host runs out of memory (``make tpu-aot`` reached 19 GB)."""
+  jax.clear_caches()
+  gc.collect()
 
 
 def decode_reports(
@@ -147,6 +158,8 @@ def decode_reports(
       cfg, device, batch=batch, prompt_len=prompt_len, max_bytes=max_bytes, **case
     )
     out.append(check(p, one, work=work, hlo_dir=hlo_dir))
+    del p
+    _release()
   return out
 
 
