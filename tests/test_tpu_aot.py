@@ -214,6 +214,7 @@ def test_tpu_reports_print_per_chip_and_say_which_estimate():
   assert "per chip: fits in HBM" in lines[0] and not any("Triton" in x for x in lines)
   assert text.setting(r) == " (16 rows per chip)"
   assert text.setting(dict(r, remat=True, micro_batch_per_device=2)) == " (2 rows per chip, remat)"
+  assert text.setting(dict(r, micro_batch_per_device=1)) == " (1 row per chip)"
   assert text.setting(dict(program="decode", mode="ntp")) == ""
 
 

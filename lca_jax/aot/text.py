@@ -24,8 +24,8 @@ def setting(r: dict) -> str:
   settings a fit search compiles one after another tell apart; '' for other programs."""
   if "micro_batch_per_device" not in r:
     return ""
-  remat = ", remat" if r.get("remat") else ""
-  return f" ({r['micro_batch_per_device']} rows per {_unit(r)}{remat})"
+  n, remat = r["micro_batch_per_device"], ", remat" if r.get("remat") else ""
+  return f" ({n} row{'' if n == 1 else 's'} per {_unit(r)}{remat})"
 
 
 def _unit(r: dict) -> str:
