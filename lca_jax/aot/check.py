@@ -132,7 +132,7 @@ def train_reports(
 
 def _release() -> None:
   """Drop jax's caches of the programs just compiled: a run of many paper-scale programs in one
-  process otherwise grows until the host runs out of memory (``make tpu-aot`` reached 19 GB)."""
+  process (``make tpu-aot``) otherwise grows until the host runs out of memory."""
   jax.clear_caches()
   gc.collect()
 
