@@ -1,5 +1,13 @@
 # Two commands do everything on a fresh machine: `make demo` and `make test`.
-PY ?= python3
+# The venvs' Python, 3.12 or newer: the first of python3.13 / python3.12 on PATH that runs, else the
+# newest 3.12+ under pyenv's versions/; `make PY=/path/to/python3.12` names one.
+PY_OK := import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 12))
+ifeq ($(origin PY),undefined)
+PY := $(shell for p in python3.13 python3.12 $$(ls -d "$$(pyenv root 2>/dev/null || echo "$${PYENV_ROOT:-$$HOME/.pyenv}")"/versions/3.*/bin/python3 2>/dev/null | sort -V -r); do "$$p" -c '$(PY_OK)' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)
+endif
+# A venv recipe's first line: one line and exit status 2 when PY is missing or older than 3.12.
+CHECK_PY = @if [ -z "$(PY)" ]; then echo "make: no Python 3.12+ found (python3.13 / python3.12 on PATH, pyenv's versions/3.12*): install Python 3.12 or 3.13, or run make PY=/path/to/python3.12" >&2; exit 2; \
+  elif ! $(PY) -c '$(PY_OK)' 2>/dev/null; then echo "make: PY=$(PY) is not a Python 3.12+ with venv: install Python 3.12 or 3.13, or run make PY=/path/to/python3.12" >&2; exit 2; fi
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -13,7 +21,8 @@ DEMO_SAMPLE_ARGS ?=
 venv: $(STAMP)
 
 $(STAMP): requirements.txt setup.py
-	$(PY) -m venv $(VENV)
+	$(CHECK_PY)
+	$(PY) -m venv --clear $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -r requirements.txt
 	$(VPY) -m pip install -q --no-deps -e .
@@ -35,7 +44,7 @@ demo: $(STAMP)
 # TEST_WORKERS pytest-xdist processes, a test file each at a time (--dist loadfile: a file's
 # module fixtures are built once): min(4, cores, GiB of memory / 4), 0 = one process. Most
 # tests are compile-bound on one thread, so workers help even on few cores.
-TEST_WORKERS ?= $(shell $(PY) -c "import os; n = min(4, os.cpu_count() or 1, os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') // 2**32); print(n if n > 1 else 0)")
+TEST_WORKERS ?= $(shell $(or $(PY),python3) -c "import os; n = min(4, os.cpu_count() or 1, os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') // 2**32); print(n if n > 1 else 0)")
 PYTEST := XLA_FLAGS=--xla_force_host_platform_device_count=8 $(VPY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile
 test: $(STAMP)
 	$(PYTEST) tests; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
@@ -60,7 +69,8 @@ GPU_AOT_OUT ?= workdirs/gpu_aot.json
 GPU_AOT_ARGS ?=
 
 $(CUDA_STAMP): $(STAMP) requirements-gpu-aot.txt
-	$(PY) -m venv $(VENV_CUDA)
+	$(CHECK_PY)
+	$(PY) -m venv --clear $(VENV_CUDA)
 	$(VENV_CUDA)/bin/python -c "import site, sys; open(site.getsitepackages()[0] + '/lca_jax_main_venv.pth', 'w').write(sys.argv[1] + '\n')" "$$($(VPY) -c 'import site; print(site.getsitepackages()[0])')"
 	$(VENV_CUDA)/bin/python -m pip install -q --no-deps jax-cuda12-plugin==$(JAX_VERSION) jax-cuda12-pjrt==$(JAX_VERSION) -r requirements-gpu-aot.txt
 	$(VENV_CUDA)/bin/python -m pip install -q --no-deps -e .
@@ -81,7 +91,8 @@ TPU_AOT_OUT ?= workdirs/tpu_aot.json
 TPU_AOT_ARGS ?= --fit
 
 $(TPU_STAMP): $(STAMP)
-	$(PY) -m venv $(VENV_TPU)
+	$(CHECK_PY)
+	$(PY) -m venv --clear $(VENV_TPU)
 	$(VENV_TPU)/bin/python -c "import site, sys; open(site.getsitepackages()[0] + '/lca_jax_main_venv.pth', 'w').write(sys.argv[1] + '\n')" "$$($(VPY) -c 'import site; print(site.getsitepackages()[0])')"
 	$(VENV_TPU)/bin/python -m pip install -q --no-deps "libtpu==$$($(VPY) -c "import importlib.metadata as m; print(next(r.split('==')[1].split(';')[0].strip() for r in m.requires('jax') if r.startswith('libtpu')))")"
 	$(VENV_TPU)/bin/python -m pip install -q --no-deps -e .

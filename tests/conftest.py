@@ -320,8 +320,11 @@ SLOW_FILES = frozenset(
     "test_serve.py",
     "test_xla_cache.py",
   }
-  | {f"test_tool_{t}.py" for t in ("bench_decode", "bench_kernel", "bench_model", "bench_train")}
-  | {f"test_tool_{t}.py" for t in ("bench_vs_upstream", "count_params", "demo_sample", "gpu_check")}
+  | {
+    f"test_tool_{t}.py"
+    for t in ("bench_decode", "bench_hf", "bench_kernel", "bench_model", "bench_train")
+    + ("bench_vs_upstream", "count_params", "demo_sample", "gpu_check")
+  }
 )
 SLOW_TESTS = {
   "test_attention.py": (
@@ -347,12 +350,26 @@ SLOW_TESTS = {
     "test_decode_step_fuses_projections_without_copying_weights",
     "test_cached_attention_reads_only_the_old_slots_it_is_given",
   ),
-  "test_eval.py": ("test_tasks_end_to_end[summarization]",),
+  "test_decode_batch.py": (
+    "test_greedy_and_sampled_rows_share_a_batch[verify-3]",
+    "test_long_prompt_prefills_in_pieces_between_chunks",
+  ),
+  # each compiles whole greedy decode loops twice (fused kernels in interpret mode, XLA); the
+  # kernels' own tests in this file stay fast
+  "test_decode_fused.py": ("test_greedy_decoding_with_the_fused_kernels_equals_the_xla_path",),
+  "test_eval.py": (
+    "test_tasks_end_to_end[summarization]",
+    "test_tasks_end_to_end[qa]",
+    "test_tasks_end_to_end[ifeval]",
+    "test_sweep_cli_on_real_checkpoints",
+  ),
+  "test_inference_imports.py": ("test_load_and_generate_import_no_training_module",),
   "test_model_grads.py": (
     "test_scanned_layers_same_loss_and_gradients",
     "test_forward_backward_xla",
   ),
   "test_model_parity.py": ("test_batch_equals_rows",),
+  "test_tpu_aot.py": ("test_tool_and_cli_without_libtpu_or_with_a_bad_target_are_one_line_exit_2",),
   "test_train.py": (
     "test_loss_decreases",
     "test_sharded_step_matches_single_device",
