@@ -13,6 +13,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import functools  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
@@ -37,7 +38,7 @@ from conftest import (  # noqa: E402
 import lca_jax  # noqa: E402
 from lca_jax.api import Model  # noqa: E402
 from lca_jax.cli import convert as cli  # noqa: E402
-from lca_jax.interop import convert, safetensors_io, upstream  # noqa: E402
+from lca_jax.interop import convert, hf_export, safetensors_io, upstream  # noqa: E402
 
 # TINY_DIMS: d 32, 2 heads / 1 kv head (GQA), vocab_size 384 padding n_tokens 261.
 NAMES = list(VARIANTS)
@@ -239,6 +240,75 @@ def test_cli_round_trip_is_byte_identical(exported, tmp_path, capsys):
   assert cli.main(["to-torch", "--checkpoint", back, "--out", wd, "--force"]) == 2
   assert "is an lca-train work directory" in capsys.readouterr().err
   assert lca_jax.load(wd).cfg == _cfg("mlp_mbp")
+
+
+def _run_cli(module, *argv):
+  """``python -m lca_jax.cli.MODULE ARGV``: a command as the user runs it, in its own process."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+  return subprocess.run(
+    [sys.executable, "-m", f"lca_jax.cli.{module}", *argv],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
+
+
+def test_hf_export_reads_back(exported, tmp_path):
+  """A to-hf export is read back by lca_jax.load, lca-sample, from-hf and from-torch: the
+  exported parameters bit for bit, the same greedy decode."""
+  src, hf = exported["lca_mbp"], str(tmp_path / "hf")
+  assert cli.main(["to-hf", "--checkpoint", src, "--out", hf]) == 0
+  model, back = lca_jax.load(src), lca_jax.load(hf)
+  assert back.cfg == model.cfg
+  want, got = _leaves(model.params), _leaves(back.params)
+  assert sorted(got) == sorted(want)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+  prompt = "The quick brown"
+  ref = model.generate(prompt, max_bytes=12, ignore_eos=True).ids[0].tolist()
+  p = _run_cli("sample", "--checkpoint", hf, "--prompt", prompt, "--max-bytes", "12")
+  assert p.returncode == 0, p.stderr
+  p = _run_cli(
+    "sample", "--checkpoint", hf, "--prompt", prompt, "--max-bytes", "12", "--ignore-eos", "--json"
+  )
+  assert p.returncode == 0, p.stderr
+  assert json.loads(p.stdout)["ids"] == ref
+
+  wd = str(tmp_path / "wd")
+  p = _run_cli("convert", "from-hf", "--hf-dir", hf, "--out", wd)
+  assert p.returncode == 0, p.stderr
+  padded = _leaves(_real_rows(_cfg("lca_mbp"), _params("lca_mbp")))  # zero rows 261..383
+  got = _leaves(lca_jax.load(wd).params)
+  for k in padded:
+    np.testing.assert_array_equal(got[k], padded[k], err_msg=k)
+  assert cli.main(["from-torch", "--torch-dir", hf, "--out", str(tmp_path / "wd2")]) == 0
+
+
+def test_hf_export_with_stray_tensor_names_is_one_line(exported, tmp_path, capsys):
+  hf = str(tmp_path / "hf")
+  hf_export.to_hf(lca_jax.load(exported["fxt"]), hf)
+  sd = safetensors_io.read_safetensors(os.path.join(hf, "model.safetensors"))
+  sd["stray"] = sd["model.norm.weight"]
+  safetensors_io.write_safetensors(os.path.join(hf, "model.safetensors"), sd)
+  assert cli.main(["from-hf", "--hf-dir", hf, "--out", str(tmp_path / "wd")]) == 2
+  err = capsys.readouterr().err
+  assert "'stray' lacks the 'model.' prefix" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", ["to-torch", "to-hf"])
+def test_exported_files_take_the_umask_mode(exported, tmp_path, command):
+  """Every file of an export, model.safetensors included, has the mode the umask gives."""
+  out = str(tmp_path / "out")
+  old = os.umask(0o027)
+  try:
+    assert cli.main([command, "--checkpoint", exported["fxt"], "--out", out]) == 0
+  finally:
+    os.umask(old)
+  modes = {f: oct(os.stat(os.path.join(out, f)).st_mode & 0o777) for f in os.listdir(out)}
+  assert "model.safetensors" in modes
+  assert set(modes.values()) == {oct(0o640)}, modes
 
 
 def _edited_ref(tmp_path, drop=(), **changes):
