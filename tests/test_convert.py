@@ -13,7 +13,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import functools  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
@@ -32,6 +31,7 @@ from conftest import (  # noqa: E402
   VARIANTS,
   assert_close_rel,
   random_ids,
+  run_cli_process,
   tiny_config,
 )
 
@@ -242,18 +242,6 @@ def test_cli_round_trip_is_byte_identical(exported, tmp_path, capsys):
   assert lca_jax.load(wd).cfg == _cfg("mlp_mbp")
 
 
-def _run_cli(module, *argv):
-  """``python -m lca_jax.cli.MODULE ARGV``: a command as the user runs it, in its own process."""
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-  return subprocess.run(
-    [sys.executable, "-m", f"lca_jax.cli.{module}", *argv],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=300,
-  )
-
-
 def test_hf_export_reads_back(exported, tmp_path):
   """A to-hf export is read back by lca_jax.load, lca-sample, from-hf and from-torch: the
   exported parameters bit for bit, the same greedy decode."""
@@ -268,16 +256,26 @@ def test_hf_export_reads_back(exported, tmp_path):
 
   prompt = "The quick brown"
   ref = model.generate(prompt, max_bytes=12, ignore_eos=True).ids[0].tolist()
-  p = _run_cli("sample", "--checkpoint", hf, "--prompt", prompt, "--max-bytes", "12")
+  p = run_cli_process(
+    "lca_jax.cli.sample", "--checkpoint", hf, "--prompt", prompt, "--max-bytes", "12"
+  )
   assert p.returncode == 0, p.stderr
-  p = _run_cli(
-    "sample", "--checkpoint", hf, "--prompt", prompt, "--max-bytes", "12", "--ignore-eos", "--json"
+  p = run_cli_process(
+    "lca_jax.cli.sample",
+    "--checkpoint",
+    hf,
+    "--prompt",
+    prompt,
+    "--max-bytes",
+    "12",
+    "--ignore-eos",
+    "--json",
   )
   assert p.returncode == 0, p.stderr
   assert json.loads(p.stdout)["ids"] == ref
 
   wd = str(tmp_path / "wd")
-  p = _run_cli("convert", "from-hf", "--hf-dir", hf, "--out", wd)
+  p = run_cli_process("lca_jax.cli.convert", "from-hf", "--hf-dir", hf, "--out", wd)
   assert p.returncode == 0, p.stderr
   padded = _leaves(_real_rows(_cfg("lca_mbp"), _params("lca_mbp")))  # zero rows 261..383
   got = _leaves(lca_jax.load(wd).params)
