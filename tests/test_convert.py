@@ -295,6 +295,14 @@ def test_hf_export_with_stray_tensor_names_is_one_line(exported, tmp_path, capsy
   assert "'stray' lacks the 'model.' prefix" in err and err.count("\n") == 1
 
 
+def test_conversion_doc_names_the_files_of_an_export():
+  """docs/conversion.md names the files a to-hf export holds, by their names there."""
+  with open(os.path.join(ROOT, "docs", "conversion.md"), encoding="utf-8") as f:
+    doc = f.read()
+  for name in hf_export.CODE_FILES:
+    assert f"`{name}`" in doc, name
+
+
 @pytest.mark.parametrize("command", ["to-torch", "to-hf"])
 def test_exported_files_take_the_umask_mode(exported, tmp_path, command):
   """Every file of an export, model.safetensors included, has the mode the umask gives."""
