@@ -26,6 +26,7 @@ if os.environ.get("LCA_JAX_TEST_FULL_OPT", "0") in ("", "0"):
 import functools  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -282,6 +283,21 @@ def tiny_upstream_checkpoint(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("tiny_upstream_checkpoint"))
   upstream.write_dir(path, random_params(cfg), cfg)
   return path
+
+
+def run_cli_process(module: str, *argv, cwd=None, timeout: float = 300):
+  """``python -m MODULE ARGV`` (e.g. ``lca_jax.cli.sample``): a command as the user runs it, in
+  its own process, with this checkout's lca_jax first on the path. Returns the CompletedProcess
+  (text stdout / stderr)."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+  return subprocess.run(
+    [sys.executable, "-m", module, *argv],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=cwd,
+    timeout=timeout,
+  )
 
 
 TOOLS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")

@@ -31,13 +31,14 @@ from conftest import (  # noqa: E402
   VARIANTS,
   assert_close_rel,
   random_ids,
+  run_cli_process,
   tiny_config,
 )
 
 import lca_jax  # noqa: E402
 from lca_jax.api import Model  # noqa: E402
 from lca_jax.cli import convert as cli  # noqa: E402
-from lca_jax.interop import convert, safetensors_io, upstream  # noqa: E402
+from lca_jax.interop import convert, hf_export, safetensors_io, upstream  # noqa: E402
 
 # TINY_DIMS: d 32, 2 heads / 1 kv head (GQA), vocab_size 384 padding n_tokens 261.
 NAMES = list(VARIANTS)
@@ -239,6 +240,81 @@ def test_cli_round_trip_is_byte_identical(exported, tmp_path, capsys):
   assert cli.main(["to-torch", "--checkpoint", back, "--out", wd, "--force"]) == 2
   assert "is an lca-train work directory" in capsys.readouterr().err
   assert lca_jax.load(wd).cfg == _cfg("mlp_mbp")
+
+
+def test_hf_export_reads_back(exported, tmp_path):
+  """A to-hf export is read back by lca_jax.load, lca-sample, from-hf and from-torch: the
+  exported parameters bit for bit, the same greedy decode."""
+  src, hf = exported["lca_mbp"], str(tmp_path / "hf")
+  assert cli.main(["to-hf", "--checkpoint", src, "--out", hf]) == 0
+  model, back = lca_jax.load(src), lca_jax.load(hf)
+  assert back.cfg == model.cfg
+  want, got = _leaves(model.params), _leaves(back.params)
+  assert sorted(got) == sorted(want)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+  prompt = "The quick brown"
+  ref = model.generate(prompt, max_bytes=12, ignore_eos=True).ids[0].tolist()
+  p = run_cli_process(
+    "lca_jax.cli.sample", "--checkpoint", hf, "--prompt", prompt, "--max-bytes", "12"
+  )
+  assert p.returncode == 0, p.stderr
+  p = run_cli_process(
+    "lca_jax.cli.sample",
+    "--checkpoint",
+    hf,
+    "--prompt",
+    prompt,
+    "--max-bytes",
+    "12",
+    "--ignore-eos",
+    "--json",
+  )
+  assert p.returncode == 0, p.stderr
+  assert json.loads(p.stdout)["ids"] == ref
+
+  wd = str(tmp_path / "wd")
+  p = run_cli_process("lca_jax.cli.convert", "from-hf", "--hf-dir", hf, "--out", wd)
+  assert p.returncode == 0, p.stderr
+  padded = _leaves(_real_rows(_cfg("lca_mbp"), _params("lca_mbp")))  # zero rows 261..383
+  got = _leaves(lca_jax.load(wd).params)
+  for k in padded:
+    np.testing.assert_array_equal(got[k], padded[k], err_msg=k)
+  assert cli.main(["from-torch", "--torch-dir", hf, "--out", str(tmp_path / "wd2")]) == 0
+
+
+def test_hf_export_with_stray_tensor_names_is_one_line(exported, tmp_path, capsys):
+  hf = str(tmp_path / "hf")
+  hf_export.to_hf(lca_jax.load(exported["fxt"]), hf)
+  sd = safetensors_io.read_safetensors(os.path.join(hf, "model.safetensors"))
+  sd["stray"] = sd["model.norm.weight"]
+  safetensors_io.write_safetensors(os.path.join(hf, "model.safetensors"), sd)
+  assert cli.main(["from-hf", "--hf-dir", hf, "--out", str(tmp_path / "wd")]) == 2
+  err = capsys.readouterr().err
+  assert "'stray' lacks the 'model.' prefix" in err and err.count("\n") == 1
+
+
+def test_conversion_doc_names_the_files_of_an_export():
+  """docs/conversion.md names the files a to-hf export holds, by their names there."""
+  with open(os.path.join(ROOT, "docs", "conversion.md"), encoding="utf-8") as f:
+    doc = f.read()
+  for name in hf_export.CODE_FILES:
+    assert f"`{name}`" in doc, name
+
+
+@pytest.mark.parametrize("command", ["to-torch", "to-hf"])
+def test_exported_files_take_the_umask_mode(exported, tmp_path, command):
+  """Every file of an export, model.safetensors included, has the mode the umask gives."""
+  out = str(tmp_path / "out")
+  old = os.umask(0o027)
+  try:
+    assert cli.main([command, "--checkpoint", exported["fxt"], "--out", out]) == 0
+  finally:
+    os.umask(old)
+  modes = {f: oct(os.stat(os.path.join(out, f)).st_mode & 0o777) for f in os.listdir(out)}
+  assert "model.safetensors" in modes
+  assert set(modes.values()) == {oct(0o640)}, modes
 
 
 def _edited_ref(tmp_path, drop=(), **changes):

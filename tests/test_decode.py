@@ -7,6 +7,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import dataclasses
 import functools
+import json
 import types
 
 import flax.linen as nn
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close_rel
+from conftest import assert_close_rel, random_params, run_cli_process, tiny_config
 
 import lca_jax
 from lca_jax import backend, vocab
@@ -678,6 +679,39 @@ def test_a_registered_policy_runs_in_the_unchanged_loop():
     assert r.acceptance_rate == ref.acceptance_rate == 0.8  # the budget cuts the last pair
   finally:
     policies.POLICIES.pop("toy_pair")
+
+
+@pytest.mark.slow
+def test_sample_json_records_hold_each_prompts_own_figures(tmp_path):
+  """lca-sample --json: a record's acceptance_rate is its own prompt's (a prompt that accepts
+  no candidate has 0 beside one that does), bytes_per_s its bytes / the batch's wall-clock;
+  the batch's figures are named batch_*."""
+  from lca_jax.interop import upstream  # pylint: disable=g-import-not-at-top
+
+  cfg = tiny_config("lca_mbp", n_mbp=1, max_seq_len=128)
+  ckpt = str(tmp_path / "ckpt")
+  upstream.write_dir(ckpt, random_params(cfg), cfg)
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_text("The quick brown fox\naaaa\n0123456789\nhello world\n")
+  p = run_cli_process(
+    "lca_jax.cli.sample",
+    *("--checkpoint", ckpt, "--prompt-file", str(prompts), "--mode", "threshold"),
+    *("--tau", "0.05", "--n", "3", "--max-bytes", "24", "--ignore-eos", "--json"),
+  )
+  assert p.returncode == 0, p.stderr
+  recs = [json.loads(line) for line in p.stdout.splitlines()]
+  assert len(recs) == 4
+  for r in recs:
+    steps = r["accepted_per_step"]
+    assert r["acceptance_rate"] == pytest.approx((sum(steps) - len(steps)) / (2 * len(steps)))
+    assert r["bytes_per_s"] == pytest.approx(len(r["ids"]) / r["batch_elapsed_s"])
+  rates = [r["acceptance_rate"] for r in recs]
+  assert 0.0 in rates and max(rates) > 0  # the rows differ: a batch-wide figure cannot be right
+  assert recs[0]["batch_acceptance_rate"] == pytest.approx(
+    sum(sum(r["accepted_per_step"]) - len(r["accepted_per_step"]) for r in recs)
+    / sum(2 * len(r["accepted_per_step"]) for r in recs)
+  )
+  assert sum(r["bytes_per_s"] for r in recs) == pytest.approx(recs[0]["batch_bytes_per_s"])
 
 
 def test_clear_errors():

@@ -13,6 +13,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import json
 import math
+import re
 import types
 
 import numpy as np
@@ -623,3 +624,39 @@ def test_cli_errors(ckpts, files, capsys, tmp_path):
     rc, out, err = run_cli(capsys, *args)
     assert rc == 2 and msg in err, (args, err)
     assert len(err.strip().splitlines()) == 1 and err.startswith("lca-eval: error: ")
+
+
+# ---- the documented task data --------------------------------------------------------------
+EVAL_DOC = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "evaluation.md"
+)
+
+
+def _documented_task_data() -> dict:
+  """task -> the example jsonl of its section in docs/evaluation.md ("#### TASK", a jsonl block)."""
+  with open(EVAL_DOC, encoding="utf-8") as f:
+    text = f.read()
+  found = re.findall(r"^#### (\w+)\n.*?^```jsonl\n(.*?)^```", text, re.M | re.S)
+  return dict(found)
+
+
+@pytest.mark.parametrize(
+  "task,n_examples,reference",
+  [
+    ("summarization", 2, "Council approves budget."),
+    ("translation", 4, "The cat sleeps."),
+    ("qa", 4, "red"),
+    ("ifeval", 1, None),
+  ],
+)
+def test_documented_task_data_loads(tmp_path, task, n_examples, reference):
+  """docs/evaluation.md documents the jsonl of every lca-eval task with lines it reads."""
+  data = _documented_task_data()
+  assert sorted(data) == sorted(tasks.TASKS)
+  path = tmp_path / f"{task}.jsonl"
+  path.write_text(data[task], encoding="utf-8")
+  examples = tasks.load_examples(task, str(path))
+  assert len(examples) == n_examples
+  if reference is not None:
+    assert examples[0].references[0] == reference
+  assert all(len(e.prompt_ids) > 0 for e in examples)

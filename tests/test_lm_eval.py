@@ -16,6 +16,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import json  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
 import types  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -24,7 +26,7 @@ import pytest  # noqa: E402
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-from conftest import REL_IMPL  # noqa: E402
+from conftest import REL_IMPL, run_cli_process  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 import lca_jax  # noqa: E402
@@ -175,6 +177,25 @@ def test_cli(tiny_upstream_checkpoint, tasks, tmp_path, capsys):
   assert lm_eval_cli.main(bad + ["--tasks", "tiny_mc", "--include_path", tasks]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith("lca-lm-eval: error:") and "does not exist" in err[-1]
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="lm_eval asks git only where it exists")
+def test_cli_outside_a_git_checkout_prints_no_git_error(tiny_upstream_checkpoint, tasks, tmp_path):
+  """lm_eval asks git for a commit hash for its results: lca-lm-eval run outside any git
+  repository (an installed package, a fresh directory) shows no git error on stderr."""
+  cwd = tmp_path / "outside"
+  cwd.mkdir()
+  probe = subprocess.run(["git", "rev-parse", "--git-dir"], cwd=cwd, capture_output=True)
+  assert probe.returncode != 0, "the temporary directory lies inside a git repository"
+  p = run_cli_process(
+    "lca_jax.eval.lm_eval_cli",
+    *("--model", "lca_jax", "--model_args", f"checkpoint={tiny_upstream_checkpoint}"),
+    *("--tasks", "tiny_mc", "--include_path", tasks, "--batch_size", "4", "--limit", "2"),
+    cwd=str(cwd),
+  )
+  assert p.returncode == 0, p.stderr
+  assert "tiny_mc" in p.stdout
+  assert "fatal:" not in p.stderr and "not a git repository" not in p.stderr, p.stderr
 
 
 def _adapter(checkpoint, **kw):

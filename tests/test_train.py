@@ -22,9 +22,11 @@ from conftest import TRAIN_TINY, assert_close_rel, assert_trees_equal, host_para
 from lca_jax import configs_io  # noqa: E402
 from lca_jax.cli import train as cli  # noqa: E402
 from lca_jax.train import checkpoint as ckpt_lib  # noqa: E402
-from lca_jax.train import (
+from lca_jax.train import (  # noqa: E402
   inputs,  # noqa: E402
   loop,  # noqa: E402
+  optim,
+  run_config,
 )
 from lca_jax.train import sharding as shd  # noqa: E402
 from lca_jax.train.errors import NonFiniteLossError  # noqa: E402
@@ -210,6 +212,49 @@ def test_cli_full_disk_for_metrics_stops_in_one_line(tmp_path, capsys):
   assert last.startswith("lca-train: error: cannot append step 1 to "), err
   assert "metrics.jsonl" in last and "No space left on device" in last, err
   assert "Traceback" not in err, err
+
+
+def _logged_lrs(workdir) -> dict:
+  """step -> the learning rate metrics.jsonl logged for it (the schedule at step - 1)."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return {line["step"]: line["lr"] for line in map(json.loads, f)}
+
+
+def _resume_warning(capsys, workdir, *overrides) -> str:
+  """The one ScheduleWarning of an lca-train run that must succeed, as one line."""
+  with pytest.warns(run_config.ScheduleWarning) as caught:
+    code, err = run_cli(capsys, workdir, *overrides)
+  assert code == 0, err
+  (warning,) = [str(w.message) for w in caught if w.category is run_config.ScheduleWarning]
+  assert "\n" not in warning
+  return warning
+
+
+@pytest.mark.slow
+def test_a_longer_resume_keeps_its_learning_rate_schedule(tmp_path, capsys):
+  """lca-train resumed with a larger train.steps, optim.decay_steps 0 (the horizon follows
+  train.steps): one warning line, and the learning rate of the resumed steps is the original
+  schedule's; an explicit optim.decay_steps moves the horizon, with a warning."""
+  wd = tmp_path / "wd"
+  code, err = run_cli(capsys, wd, "train.steps=4", "optim.decay_steps=0")
+  assert code == 0, err
+  warning = _resume_warning(capsys, wd, "train.steps=6", "optim.decay_steps=0")
+  assert "keeps the learning-rate schedule" in warning and "horizon 4 steps" in warning
+  assert "optim.decay_steps=6" in warning
+  base = tiny_config("optim.decay_steps=0").optim
+  kept, stretched = optim.make_schedule(base, 4), optim.make_schedule(base, 6)
+  lrs = _logged_lrs(wd)
+  assert sorted(lrs) == list(range(1, 7))
+  for step in (5, 6):
+    assert lrs[step] == pytest.approx(float(kept(step - 1)), rel=1e-6)
+    assert lrs[step] != pytest.approx(float(stretched(step - 1)), rel=1e-3)
+
+  warning = _resume_warning(capsys, wd, "train.steps=8", "optim.decay_steps=8")
+  assert "optim.decay_steps=8 moves the learning-rate schedule" in warning
+  assert "from 4 to 8 steps" in warning
+  lrs = _logged_lrs(wd)
+  for step in (7, 8):
+    assert lrs[step] == pytest.approx(float(optim.make_schedule(base, 8)(step - 1)), rel=1e-6)
 
 
 def test_cli_unknown_config_key(tmp_path, capsys):

@@ -4,6 +4,8 @@
     lca-convert from-torch --torch-dir DIR --out DIR [--vocab-size N] [--force]
                            [--config FILE [--config.SECTION.KEY=VALUE ...]]
     lca-convert to-hf --checkpoint DIR --out DIR [--dtype float32|bfloat16] [--step N] [--force]
+    lca-convert from-hf --hf-dir DIR --out DIR [--vocab-size N] [--force]
+                        [--config FILE [--config.SECTION.KEY=VALUE ...]]
 
 to-torch: DIR is an lca-train work directory (latest checkpoint, or --step) or an upstream
 directory; writes config.json + model.safetensors (see lca_jax/interop/upstream.py).
@@ -13,6 +15,8 @@ get) it holds a full train state that `lca-train --config FILE --workdir DIR` re
 to-hf: writes a Hugging Face transformers directory (config.json with auto_map, the modeling and
 tokenizer files, model.safetensors in --dtype) that AutoModelForCausalLM / AutoTokenizer load with
 trust_remote_code=True (see lca_jax/interop/hf_export.py).
+from-hf: from-torch of such a transformers directory (from-torch, lca_jax.load and lca-sample
+read either kind); the work directory holds the exported parameters.
 Errors are one line on stderr, exit status 2.
 
 The same operations on paths from Python: ``to_torch``, ``to_hf`` and ``from_torch`` below (they
@@ -86,8 +90,8 @@ def from_torch(
   force: bool = False,
   devices=None,
 ) -> str:
-  """Import the upstream directory ``src`` (config.json + model.safetensors, float32 or bf16)
-  into a new lca-train work directory ``out`` at step 0 (``lca_jax.workdir.write``).
+  """Import the upstream directory ``src`` (config.json + model.safetensors, float32 or bf16;
+  or a transformers export of ``to_hf``, which holds the same tensors) into a new lca-train work directory ``out`` at step 0 (``lca_jax.workdir.write``).
   ``config``: a run config (ml_collections, as ``lca-train --config`` loads) that makes ``out``
   resumable by ``lca-train`` with it (``lca_jax.train.loop.write_resumable_workdir``); its model
   must describe the checkpoint (its training-only fields, such as dtype, dropout, remat, are
@@ -140,7 +144,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser():
   p = _Parser(prog="lca-convert", description=__doc__.split("\n\n")[0])
-  sub = p.add_subparsers(dest="cmd", metavar="{to-torch,from-torch,to-hf}", parser_class=_Parser)
+  sub = p.add_subparsers(
+    dest="cmd", metavar="{to-torch,from-torch,to-hf,from-hf}", parser_class=_Parser
+  )
   sub.required = True
   t = sub.add_parser("to-torch", help="export to config.json + model.safetensors")
   t.add_argument("--checkpoint", required=True, help="lca-train work directory or upstream dir")
@@ -150,33 +156,41 @@ def _parser():
   t.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
   f = sub.add_parser("from-torch", help="import into an lca-train work directory")
   f.add_argument(
-    "--torch-dir", required=True, help="directory with config.json + model.safetensors"
+    "--torch-dir", dest="src", required=True, help="directory with config.json + model.safetensors"
   )
-  f.add_argument("--out", required=True, help="work directory to create (new or empty)")
-  f.add_argument(
-    "--vocab-size",
-    type=int,
-    default=None,
-    help="embedding rows (default: vocabulary rounded up to a multiple of 128, "
-    "or the --config model's vocab_size)",
-  )
-  f.add_argument(
-    "--config",
-    default=None,
-    help="run config file: write a full train state that lca-train resumes",
-  )
-  f.add_argument(
-    "--force",
-    action="store_true",
-    help="overwrite a non-empty --out (its checkpoints/ and run config)",
-  )
+  _import_options(f)
   h = sub.add_parser("to-hf", help="export to a Hugging Face transformers directory")
   h.add_argument("--checkpoint", required=True, help="lca-train work directory or upstream dir")
   h.add_argument("--out", required=True, help="output directory (new or empty)")
   h.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   h.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
   h.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+  i = sub.add_parser("from-hf", help="import a to-hf export into an lca-train work directory")
+  i.add_argument("--hf-dir", dest="src", required=True, help="directory written by to-hf")
+  _import_options(i)
   return p
+
+
+def _import_options(p):
+  """The options of from-torch and from-hf after the source directory."""
+  p.add_argument("--out", required=True, help="work directory to create (new or empty)")
+  p.add_argument(
+    "--vocab-size",
+    type=int,
+    default=None,
+    help="embedding rows (default: vocabulary rounded up to a multiple of 128, "
+    "or the --config model's vocab_size)",
+  )
+  p.add_argument(
+    "--config",
+    default=None,
+    help="run config file: write a full train state that lca-train resumes",
+  )
+  p.add_argument(
+    "--force",
+    action="store_true",
+    help="overwrite a non-empty --out (its checkpoints/ and run config)",
+  )
 
 
 def main(argv=None) -> int:
@@ -184,14 +198,15 @@ def main(argv=None) -> int:
     args, rest = _parser().parse_known_args(argv)
   except SystemExit as e:
     return int(e.code or 0)
-  if rest and (args.cmd != "from-torch" or not args.config):
+  importing = args.cmd in ("from-torch", "from-hf")
+  if rest and (not importing or not args.config):
     return _fail(f"unrecognized arguments: {' '.join(rest)}")
   one_line_warnings("lca-convert")
   # deferred: jax, orbax and the model take seconds to import, which --help and usage errors skip
   from lca_jax.train import run_config  # pylint: disable=g-import-not-at-top
 
   config = None
-  if args.cmd == "from-torch" and args.config:
+  if importing and args.config:
     try:
       config = configs_io.load_config(args.config)
       configs_io.apply_overrides(config, configs_io.split_overrides(rest))
@@ -215,7 +230,7 @@ def main(argv=None) -> int:
       )
     else:
       out = from_torch(
-        args.torch_dir, args.out, vocab_size=args.vocab_size, config=config, force=args.force
+        args.src, args.out, vocab_size=args.vocab_size, config=config, force=args.force
       )
       how = (
         "resume with: lca-train --config " + args.config + f" --workdir {out}"

@@ -13,8 +13,10 @@ the RoPE buffer stays float32; ``config.json`` names the dtype as ``dtype`` and
 ``torch_dtype``), ``tokenizer_config.json``, ``special_tokens_map.json`` and the Python files
 copied from this package: ``modeling_lca.py`` (``hf_modeling.py``), ``torch_model.py``,
 ``torch_incremental.py``, ``torch_multibyte.py`` and ``tokenization_lca.py``
-(``hf_tokenizer.py``). Writing it needs neither torch nor transformers. ``to_hf`` takes a loaded
-model; ``lca-convert to-hf`` (``lca_jax/cli/convert.py``) loads one from a path.
+(``hf_tokenizer.py``). Writing it needs neither torch nor transformers. ``lca_jax.load``,
+``lca-sample`` and ``lca-convert from-hf`` read it back (``upstream.read_dir``). ``to_hf``
+takes a loaded model; ``lca-convert to-hf`` (``lca_jax/cli/convert.py``) loads one from a
+path.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ CODE_FILES = {
   "torch_multibyte.py": "torch_multibyte.py",
   "tokenization_lca.py": "hf_tokenizer.py",
 }
-PREFIX = "model."
 
 
 def hf_config(cfg, dtype: str = "float32") -> dict:
@@ -50,7 +51,7 @@ def hf_config(cfg, dtype: str = "float32") -> dict:
       "AutoConfig": "modeling_lca.LcaConfig",
       "AutoModelForCausalLM": "modeling_lca.LcaForCausalLM",
     },
-    "lca_config": upstream.config_to_upstream(cfg),
+    upstream.HF_CONFIG_KEY: upstream.config_to_upstream(cfg),
     "vocab_size": int(cfg.n_tokens),
     "max_position_embeddings": int(cfg.max_seq_len),
     "pad_token_id": PAD_ID,
@@ -97,7 +98,9 @@ def write_hf_dir(out: str, model, dtype: str = "float32") -> str:
     sd = upstream.params_to_state_dict(model.params, model.cfg, name, model.extras)
   except CheckpointError as e:
     raise ConvertError(str(e)) from None
-  write_safetensors(os.path.join(out, "model.safetensors"), {PREFIX + k: v for k, v in sd.items()})
+  write_safetensors(
+    os.path.join(out, "model.safetensors"), {upstream.HF_PREFIX + k: v for k, v in sd.items()}
+  )
   _write_json(os.path.join(out, "config.json"), hf_config(model.cfg, name))
   _write_json(
     os.path.join(out, "generation_config.json"),

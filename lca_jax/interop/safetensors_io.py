@@ -71,8 +71,17 @@ def read_safetensors(path: str) -> Dict[str, np.ndarray]:
   return out
 
 
+def _new_file(path: str) -> int:
+  """Create the empty file ``path`` as ``open`` does and return its permission bits: the mode
+  the umask gives this process's new files (0644 under the usual 022)."""
+  with open(path, "wb"):
+    pass
+  return os.stat(path).st_mode & 0o777
+
+
 def write_safetensors(path: str, sd: Dict[str, np.ndarray]) -> None:
-  """Write ``sd`` (numpy arrays: float32/bfloat16/...) as safetensors, atomically."""
+  """Write ``sd`` (numpy arrays: float32/bfloat16/...) as safetensors, atomically, with the
+  mode of the process's other new files (the package itself writes 0600)."""
   path = os.fspath(path)
   arrays = {}
   for name in sorted(sd):
@@ -82,7 +91,9 @@ def write_safetensors(path: str, sd: Dict[str, np.ndarray]) -> None:
     arrays[name] = a
   tmp = path + ".tmp"
   try:
-    st_numpy.save_file(arrays, tmp)
+    mode = _new_file(tmp)
+    st_numpy.save_file(arrays, tmp)  # replaces tmp by a file of mode 0600
+    os.chmod(tmp, mode)
     os.replace(tmp, path)
   except _ERRORS as e:
     if os.path.exists(tmp):

@@ -54,6 +54,11 @@ BP_PREFIX = f"script_to_bp_layers.{DEFAULT_SCRIPT}.boundary_predictor"
 INV_FREQ = "rotary_embd.inv_freq"
 EXPORT_DTYPES = ("float32", "bfloat16")
 EXTRAS_FILE = "upstream_extras.safetensors"  # in a work directory: tensors kept for export
+# A transformers export (``lca-convert to-hf``, interop/hf_export.py) holds the same layout: its
+# config.json keeps the upstream config under HF_CONFIG_KEY, its model.safetensors names every
+# tensor with HF_PREFIX; ``read_dir`` reads both kinds of directory.
+HF_CONFIG_KEY = "lca_config"
+HF_PREFIX = "model."
 
 
 # ---- config ---------------------------------------------------------------------------------
@@ -443,7 +448,8 @@ def export_dtype(dtype) -> np.dtype:
 
 # ---- directories ----------------------------------------------------------------------------
 def read_dir(path: str):
-  """(upstream config dict, state dict of numpy arrays) with clear errors."""
+  """(upstream config dict, state dict of numpy arrays) of an upstream directory or of a
+  transformers export (``HF_CONFIG_KEY``), with clear errors."""
   cfg_path = os.path.join(path, "config.json")
   st_path = os.path.join(path, "model.safetensors")
   if not os.path.isdir(path):
@@ -461,7 +467,28 @@ def read_dir(path: str):
     raise CheckpointError(f"{cfg_path}: unreadable config ({e})") from None
   if not isinstance(uc, dict):
     raise CheckpointError(f"{cfg_path}: expected a JSON object")
-  return uc, read_safetensors(st_path)
+  sd = read_safetensors(st_path)
+  if HF_CONFIG_KEY in uc:
+    return _from_hf_export(path, uc, sd)
+  return uc, sd
+
+
+def _from_hf_export(path: str, hf_config: dict, sd: Dict[str, np.ndarray]):
+  """(upstream config dict, state dict) of the transformers export at ``path``: its config.json
+  holds the upstream config under ``HF_CONFIG_KEY``, its tensors are named ``HF_PREFIX`` + the
+  upstream name."""
+  uc = hf_config[HF_CONFIG_KEY]
+  if not isinstance(uc, dict):
+    raise CheckpointError(
+      f"{os.path.join(path, 'config.json')}: {HF_CONFIG_KEY!r} is not a JSON object"
+    )
+  stray = sorted(k for k in sd if not k.startswith(HF_PREFIX))
+  if stray:
+    raise CheckpointError(
+      f"{os.path.join(path, 'model.safetensors')}: tensor {stray[0]!r} lacks the "
+      f"{HF_PREFIX!r} prefix of a transformers export"
+    )
+  return uc, {k[len(HF_PREFIX) :]: v for k, v in sd.items()}
 
 
 def load_dir(path: str, vocab_size: Optional[int] = None):

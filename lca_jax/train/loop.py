@@ -5,7 +5,9 @@ One optimizer step consumes ``train.global_batch_bytes`` bytes = ``rows`` sequen
 (split over the ('data', 'fsdp') mesh axes). Every ``train.checkpoint_every`` steps, at the end
 and on SIGTERM or SIGINT (Ctrl-C) the state and the data iterator position are checkpointed;
 a work directory that holds a checkpoint is resumed from its latest one, exactly (same params
-and batches as an uninterrupted run); a corrupt latest checkpoint is skipped for the previous
+and batches as an uninterrupted run) on the learning-rate schedule it was trained with
+(``run_config.resume_schedule``: a larger ``train.steps`` does not stretch it unless
+``optim.decay_steps`` says so); a corrupt latest checkpoint is skipped for the previous
 one (see train/checkpoint.py), and in a multi-process run SIGTERM on any process stops all of
 them at the same step. Metrics are fetched one step late so the host never waits on the step it
 just dispatched; a non-finite loss stops the run (``NonFiniteLossError``) and no checkpoint of
@@ -401,19 +403,23 @@ def train_and_evaluate(
   called with each host batch before it is trained on (step counts from 0). ``watchdog`` > 0:
   end the process (exit status 3) when no step, eval or checkpoint completes for that many
   seconds after the first step (a stuck process or collective; ``watchdog.Watchdog``)."""
-  cfg_dict = config.to_dict()
   model_cfg = model_config_of(config)
   inputs.check_data_files(config)  # a data glob that matches nothing leaves no work directory
   workdir = prepare_workdir(workdir)
   with contextlib.ExitStack() as cleanup:  # unwinds in reverse order: the workdir lock last
     # before anything in the workdir is read or written (the Checkpointer removes tmp dirs)
     cleanup.callback(workdir_lock.acquire(workdir, jax.process_index()).release)
-    setup = prepare(config, devices)
-    plan, mesh, total = setup.plan, setup.mesh, int(config.train.steps)
     keep, async_save = int(config.train.keep_checkpoints), bool(config.train.async_checkpointing)
     ckpt = cleanup.enter_context(
       contextlib.closing(ckpt_lib.Checkpointer(workdir, keep=keep, async_save=async_save))
     )
+    latest = ckpt.latest_step()
+    if latest is not None:  # checked, and on its saved schedule, before anything is compiled
+      run_config.check_resume_config(workdir, config.to_dict())
+      config = run_config.resume_schedule(workdir, config)
+    cfg_dict = config.to_dict()
+    setup = prepare(config, devices)
+    plan, mesh, total = setup.plan, setup.mesh, int(config.train.steps)
     # From here on SIGTERM (preemption, scancel, the launchers) and SIGINT (Ctrl-C) stop at
     # the end of the first step that completes and checkpoint it. At the end the watchdog is
     # closed first, then the handlers removed, then the rest of ``cleanup`` closed.
@@ -421,9 +427,6 @@ def train_and_evaluate(
       _stop_requests() as stop,
       contextlib.closing(watchdog_lib.Watchdog(float(watchdog or 0))) as dog,
     ):
-      latest = ckpt.latest_step()
-      if latest is not None:
-        run_config.check_resume_config(workdir, cfg_dict)
       write_run_config(workdir, cfg_dict, model_cfg)
       pipeline = cleanup.enter_context(contextlib.closing(inputs.make_train_pipeline(config, plan)))
       state, origin, last_saved = _start_state(config, setup, ckpt, pipeline, latest)

@@ -6,9 +6,10 @@ import optax
 
 
 def decay_horizon(optim_cfg, total_steps: int) -> int:
-  """Steps over which warmup + cosine run: ``optim.decay_steps`` or, if 0, ``train.steps``."""
+  """Steps over which warmup + cosine run: ``optim.decay_steps`` or, if 0, ``train.steps``.
+  ``optim_cfg``: the optim section, a ConfigDict or a dict (a saved run config's)."""
   n = int(optim_cfg.get("decay_steps", 0) or 0) or int(total_steps)
-  return max(n, int(optim_cfg.warmup_steps) + 1)
+  return max(n, int(optim_cfg["warmup_steps"]) + 1)
 
 
 def make_schedule(optim_cfg, total_steps: int) -> optax.Schedule:

@@ -6,6 +6,9 @@ writes and reads it). ``check_resume_config`` compares it
 with the config of a run resuming the directory and raises ``ConfigMismatchError`` naming the
 fields that differ, except those in ``RESUME_MUTABLE`` (steps, logging, checkpoint cadence,
 mesh, ...), which may change between a checkpoint and the run resuming it.
+``resume_schedule`` keeps the learning-rate schedule a resumed run was trained with when
+``optim.decay_steps`` is 0 (its horizon would otherwise follow a new ``train.steps``), with a
+``ScheduleWarning``.
 ``validate_run_config`` rejects values no run can use (an unknown ``data.format`` or
 ``data.packing``, negative ``train.steps``, a learning rate that is not a positive number, a
 model section ``ModelConfig`` refuses, ...)
@@ -14,16 +17,21 @@ with a ``RunConfigError`` naming every bad field, before anything is built.
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
+from typing import Optional
 
 from lca_jax.errors import LcaError
 from lca_jax.model.config import ConfigError, ModelConfig
+from lca_jax.train import optim
 from lca_jax.workdir.config_file import CONFIG_FILE as CONFIG_FILE  # the file's name, for callers
 from lca_jax.workdir.config_file import RunConfigError, read_run_config
 
 # Config fields that may differ between a checkpoint and the run resuming it.
 RESUME_MUTABLE = (
   "train.steps",
+  "optim.decay_steps",  # resume_schedule warns when the schedule's horizon changes
   "train.log_every",
   "train.eval_every",
   "train.eval_batches",
@@ -217,3 +225,48 @@ def check_resume_config(workdir: str, config: dict) -> None:
       "Use the checkpoint's values, or a new --workdir (train.init_from=<workdir> starts "
       "from its params)."
     )
+
+
+# ---- the learning-rate schedule of a resume ---------------------------------------------------
+class ScheduleWarning(UserWarning):
+  """A resume whose config would move, or moves, the learning-rate schedule of the run."""
+
+
+def saved_horizon(saved_config: dict) -> Optional[int]:
+  """The warmup + cosine horizon of a saved run config (``train_config.json``'s ``config``);
+  None when it lacks the optim section or ``train.steps``."""
+  optim_cfg, train = saved_config.get("optim"), saved_config.get("train", {})
+  if not isinstance(optim_cfg, dict) or "warmup_steps" not in optim_cfg or "steps" not in train:
+    return None
+  return optim.decay_horizon(optim_cfg, int(train["steps"]))
+
+
+def resume_schedule(workdir: str, config):
+  """``config`` for resuming ``workdir`` on the schedule its run was trained with: when the
+  horizon would change (``optim.decay_steps`` 0 follows ``train.steps``: 4,000 -> 4,500 steps
+  would make the learning rate jump), a copy whose ``optim.decay_steps`` is the saved horizon,
+  with a ``ScheduleWarning``. An explicit ``optim.decay_steps`` is kept, with a warning when it
+  changes the horizon."""
+  saved = read_run_config(workdir)
+  old = saved_horizon(saved.get("config", {})) if saved is not None else None
+  new = optim.decay_horizon(config.optim, int(config.train.steps))
+  if old is None or new == old:
+    return config
+  explicit = int(config.optim.get("decay_steps", 0) or 0)
+  if explicit:
+    warnings.warn(
+      f"optim.decay_steps={explicit} moves the learning-rate schedule of {workdir}: its "
+      f"horizon changes from {old} to {new} steps",
+      ScheduleWarning,
+      stacklevel=2,
+    )
+    return config
+  warnings.warn(
+    f"train.steps={int(config.train.steps)} keeps the learning-rate schedule {workdir} was "
+    f"trained with (horizon {old} steps); set optim.decay_steps={new} to stretch it instead",
+    ScheduleWarning,
+    stacklevel=2,
+  )
+  pinned = copy.deepcopy(config)
+  pinned.optim.decay_steps = old
+  return pinned
