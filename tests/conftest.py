@@ -329,6 +329,7 @@ SLOW_FILES = frozenset(
     "test_demo.py",
     "test_disk_full.py",
     "test_fault_tolerance.py",
+    "test_first_run.py",
     "test_hf_export.py",
     "test_kernels_sharded.py",
     "test_lm_eval.py",

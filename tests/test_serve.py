@@ -12,6 +12,7 @@ needs a compile outlives its timeout, and an API key) for overload, timeouts and
 import concurrent.futures
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ import lca_jax
 from lca_jax import vocab
 from lca_jax.data.sft_format import chat_prompt_ids
 from lca_jax.decode.batch import GroupKey, RowParams, bucket_of, buckets
-from lca_jax.serve.process import ServerProcess, get_json
+from lca_jax.serve.process import LOOPBACK, ServerProcess, get_json
 from lca_jax.serve.scheduler import Job
 
 CONTEXT = 512
@@ -431,6 +432,24 @@ def test_cli_bad_options(argv, needle):
   )
   assert p.returncode == 2 and needle in p.stderr
   assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_port_in_use_is_one_line_before_loading(tiny_upstream_checkpoint):
+  """A port something listens on: exit 2 at once (no load, no compile), one line naming it."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+    taken.bind((LOOPBACK, 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    argv = ["--checkpoint", tiny_upstream_checkpoint, "--host", LOOPBACK, "--port", str(port)]
+    t0 = time.monotonic()
+    p = subprocess.run(
+      [sys.executable, "-m", "lca_jax.cli.serve", *argv], capture_output=True, text=True, timeout=60
+    )
+    took = time.monotonic() - t0
+  assert p.returncode == 2, p.stderr
+  assert f"{LOOPBACK}:{port}" in p.stderr and "serving" not in p.stderr
+  assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+  assert took < 30, took  # a load and warm-up compile of even the tiny model take longer
 
 
 def log_softmax_rows(model, ids) -> np.ndarray:

@@ -17,13 +17,16 @@ queue of --max-queue choices; past that the server answers 429. Every request ha
 longer context makes every step read a longer cache). Greedy and sampled requests of one mode
 decode in one batch. At start it compiles ntp, greedy and sampled (OpenAI's default
 temperature 1), for every prompt bucket (--no-warmup skips it); other modes compile on their
-first request. Bad options: one line on stderr, exit status 2.
+first request. It binds --host:--port before loading the checkpoint, and prints its
+``serving ... on http://...`` line once bound. Bad options and a port in use: one line on
+stderr, exit status 2, at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from typing import List, Optional
 
@@ -78,6 +81,24 @@ def _check(args):
     fail(f"checkpoint directory does not exist: {args.checkpoint}")
 
 
+def bind(host: str, port: int) -> socket.socket:
+  """A listening TCP socket on ``host:port``, bound before anything slow (loading, compiling),
+  so that a port in use is a one-line error at once; the server serves on this socket."""
+  try:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+  except OSError as e:
+    fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
+  try:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(2048)
+  except OSError as e:
+    sock.close()
+    fail(f"cannot listen on {host}:{port}: {e.strerror or e} (--port picks another)")
+  return sock
+
+
 def main(argv: Optional[List[str]] = None) -> int:
   args = build_parser().parse_args(argv)
   one_line_warnings("lca-serve")
@@ -86,6 +107,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _main(args) -> int:
   _check(args)
+  sock = bind(args.host, args.port)
+  try:
+    return _serve(args, sock)
+  finally:
+    sock.close()
+
+
+def _serve(args, sock: socket.socket) -> int:
   # deferred: jax, the model and the web stack take seconds to import
   import uvicorn  # pylint: disable=g-import-not-at-top
 
@@ -129,7 +158,7 @@ def _main(args) -> int:
     flush=True,
   )
   try:
-    server.run()
+    server.run(sockets=[sock])
   finally:
     sched.stop()
   return 0 if sched.error is None else 1

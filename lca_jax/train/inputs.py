@@ -4,7 +4,8 @@
 ``train.micro_batch_size`` into a ``BatchPlan`` (rows per step, micro-batches, rows per process
 and per batch shard), the one place these fields are read and checked; ``plan_and_mesh`` builds
 the plan and the mesh laid out for it; ``data_sources`` resolves ``data.train_files`` /
-``data.eval_files`` (or the bundled demo corpus split into train and held-out documents);
+``data.eval_files`` (or, for ``data.format=text`` only, the bundled demo corpus split into
+train and held-out documents; ``describe_data`` names what a run reads);
 ``make_train_pipeline`` / ``make_eval_pipeline`` build this process's checkpointable training
 batches and its deterministic eval pass (pretraining bytes via :mod:`lca_jax.data.pipeline`,
 ``data.sft_format`` examples via :mod:`lca_jax.data.sft`); ``check_data_files`` fails early
@@ -124,6 +125,9 @@ def demo_corpus_files() -> list:
   return [path]
 
 
+DEMO_FORMAT = "text"  # the format of the bundled corpus, the only one that defaults to it
+
+
 def _fmt(name: str) -> Optional[str]:
   name = (name or "").strip()
   return {"": None, "arrayrecord": "array_record"}.get(name, name)
@@ -141,6 +145,11 @@ def data_sources(config) -> dict:
       f"data.sft_format={_sft_format(config)!r} needs data.train_files "
       "(jsonl files of examples); the bundled demo corpus is plain text"
     )
+  if not train_files and fmt != DEMO_FORMAT:
+    raise TrainError(
+      f"data.format={config.data.format!r} needs data.train_files (glob(s) of the files to "
+      f"train on); only data.format={DEMO_FORMAT} without files trains on the bundled corpus"
+    )
   if not train_files:
     demo_files = demo_corpus_files()
     out = dict(train=dict(files=demo_files, format="text", holdout="train"))
@@ -157,6 +166,16 @@ def data_sources(config) -> dict:
       files=split(eval_files) if fmt != "tfds" else eval_files, format=fmt, holdout=None
     )
   return out
+
+
+def describe_data(config) -> str:
+  """What a run reads, for its header: the bundled corpus or ``data.train_files`` (format)."""
+  src = data_sources(config)["train"]
+  if src["holdout"]:
+    return f"bundled corpus ({os.path.basename(src['files'][0])}, train split)"
+  files = src["files"] if isinstance(src["files"], str) else ",".join(src["files"])
+  kind = _sft_format(config) or "pretraining"
+  return f"data.train_files={files} ({src['format'] or 'format from extension'}, {kind})"
 
 
 def _pipeline_kwargs(config, src):

@@ -349,6 +349,7 @@ def _open_hooks(
     f"{dict(setup.mesh.shape)}, {plan.rows} rows x {plan.seq_len} bytes per step "
     f"({plan.accum} x {plan.micro}-row micro-batches), steps {start}->{total} ({origin})"
   )
+  console.write(f"lca-train: data: {inputs.describe_data(config)}")
   window = hooks_lib.MetricsWindow(
     start=start,
     total=total,
