@@ -28,8 +28,8 @@ class FakeClock:
 
 
 class FakeProgress:
-  def __init__(self, log=None):
-    self.calls, self.log = [], log
+  def __init__(self, log=None, has_bar=True):
+    self.calls, self.log, self.has_bar = [], log, has_bar
 
   def update(self, n=1, **postfix):
     self.calls.append(("update", n, postfix))
@@ -113,6 +113,22 @@ def test_metrics_window_logs_means_throughput_and_mfu_at_its_cadence():
   assert window.last == dict(lines[-1][1], step=5)
 
 
+def test_metrics_window_first_step_is_not_timed():
+  """The run's first step compiles: its line has no throughput, and the clock starts after
+  it (the next line's bytes/s is that of the steps after it)."""
+  clock, lines = FakeClock(), []
+  window = make_window(clock, lines, start=0, total=10, log_every=3)
+  clock.t += 60.0  # compile + first run
+  window(1, metrics(loss=4.0))
+  for step in (2, 3):
+    clock.t += 2.0
+    window(step, metrics(loss=3.0))
+  (_, first), (_, second) = lines
+  assert first["loss"] == 4.0 and first["bytes_per_s"] is None and first["step_time"] is None
+  assert first["mfu"] is None and first["tflops_per_device"] is None
+  assert second["step_time"] == 2.0 and second["bytes_per_s"] == 500.0
+
+
 def test_metrics_window_clock_reset_and_unknown_peak():
   clock, lines = FakeClock(), []
   window = make_window(clock, lines, start=10, total=100, log_every=4, peak=None)
@@ -147,7 +163,7 @@ def test_metrics_window_means_only_where_a_key_is_present():
 # ---- Console ----------------------------------------------------------------------------------
 def test_console_ticks_shows_postfix_and_eval_lines():
   progress = FakeProgress()
-  console = hooks.Console(progress)
+  console = hooks.Console(progress, 10)
   console.step_done(3, metrics())
   console.train_line(3, dict(loss=1.5, bpb_ntp=2.0, bpb_mbp=None, bytes_per_s=2500.0))
   console.train_line(4, dict(loss=1.0, bpb_ntp=1.9, bpb_mbp=2.2, bytes_per_s=1000.0))
@@ -159,6 +175,21 @@ def test_console_ticks_shows_postfix_and_eval_lines():
     ("update", 0, {"loss": 1.0, "bpb": 1.9, "bpb2": 2.2, "kB/s": 1.0}),
     ("write", "eval @ 4: bpb_ntp 1.2346"),
     ("write", "eval @ 5: bpb_ntp 1.5000, bpb_mbp 1.7500"),
+  ]
+
+
+def test_console_without_a_bar_prints_a_plain_line_per_log_line():
+  """A batch job's log (stderr not a terminal, or train.progress_bar false): text lines."""
+  progress = FakeProgress(has_bar=False)
+  console = hooks.Console(progress, 200)
+  console.train_line(1, dict(loss=5.5, bpb_ntp=7.9, lr=1e-4, bytes_per_s=None))
+  console.train_line(50, dict(loss=2.25, bpb_ntp=3.1, lr=3e-3, bytes_per_s=12345.6))
+  assert progress.calls == [
+    (
+      "write",
+      "lca-train: step 1/200: loss 5.5000, bpb 7.9000, lr 0.0001 (first step: compile, not timed)",
+    ),
+    ("write", "lca-train: step 50/200: loss 2.2500, bpb 3.1000, lr 0.003, 12,346 bytes/s"),
   ]
 
 
@@ -256,7 +287,7 @@ class FakeStop:
 
 def make_step_hooks(log, *, total=6, ckpt_every=2, eval_every=3, stop_at=None):
   clock = FakeClock(tick=1.0)
-  console = hooks.Console(FakeProgress(log))
+  console = hooks.Console(FakeProgress(log), total)
   window = make_window(clock, [], total=total, log_every=1)
   window.sinks.append(lambda s, avg: log.append(("line", s, avg["loss"])))
   reset = window.reset_clock

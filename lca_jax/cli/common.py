@@ -36,6 +36,30 @@ def add_dtype_option(parser, verb: str):
   )
 
 
+def trained_length(checkpoint: str) -> Optional[int]:
+  """``data.seq_len`` of the work directory ``checkpoint`` trained (None for other layouts)."""
+  from lca_jax.workdir.config_file import trained_seq_len  # pylint: disable=g-import-not-at-top
+
+  return trained_seq_len(checkpoint)
+
+
+def say(name: str, msg: str) -> None:
+  """One line about a chosen default on stderr: ``NAME: MSG``."""
+  print(f"{name}: {msg}", file=sys.stderr, flush=True)
+
+
+def length_default(name: str, option: str, checkpoint: str, cap: int) -> int:
+  """The value of a left-out length ``option`` (bytes per row): the length the work directory
+  ``checkpoint`` trained at, at most ``cap`` (the model's max_seq_len), said in one line;
+  ``cap`` for a checkpoint that does not record one."""
+  trained = trained_length(checkpoint)
+  if trained is None:
+    return cap
+  value = min(trained, cap)
+  say(name, f"{option} {value} (the length the work directory trained at)")
+  return value
+
+
 def prog() -> str:
   return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "lca"
 

@@ -1,6 +1,6 @@
 """lca-eval: bits per byte, generative tasks and quality/throughput sweeps.
 
-    lca-eval bpb   --checkpoint DIR --data FILES... [--format jsonl] [--seq-len 4096] [--json]
+    lca-eval bpb   --checkpoint DIR --data FILES... [--format jsonl] [--seq-len N] [--json]
     lca-eval tasks --checkpoint DIR --task summarization|translation|qa|ifeval --data FILE
                    [--mode ntp|threshold|verify|drafter] [--drafter DIR] [--tau 0.9 --n 3]
                    [--max-bytes N --limit N --batch-size 1] [--json] [--out FILE]
@@ -12,7 +12,9 @@ scorers, lca_jax/eval/lm_eval_tasks) and summarization directly (ROUGE); every r
 the acceptance rate and bytes/s of its decoding.
 
 Each command takes --dtype float32|bfloat16: the compute dtype to evaluate in (default: the
-checkpoint's; on a CPU, float32 for a bfloat16 checkpoint).
+checkpoint's; on a CPU, float32 for a bfloat16 checkpoint). bpb's rows default to the length
+a work directory trained at (its data.seq_len; a line on stderr says so), else the model's
+max_seq_len; --seq-len overrides it.
 
 Problems with paths, data or arguments are reported in one line (exit status 2): a
 --batch-size, --seq-len, --max-bytes, --limit or --max-batches below 1, an unknown --format,
@@ -30,7 +32,7 @@ import os
 import sys
 
 from lca_jax import api, hostmem, jsonio
-from lca_jax.cli.common import add_dtype_option, fail, one_line_warnings
+from lca_jax.cli.common import add_dtype_option, fail, length_default, one_line_warnings
 from lca_jax.data.errors import DataError
 from lca_jax.data.pipeline import make_eval_pipeline
 from lca_jax.data.readers import FORMATS
@@ -88,7 +90,11 @@ def _parser():
     help="score SFT data (loss-masked targets only): chat|translation|summarization",
   )
   b.add_argument(
-    "--seq-len", type=int, default=None, help="bytes per row (default: the model's max_seq_len)"
+    "--seq-len",
+    type=int,
+    default=None,
+    help="bytes per row (default: the length a work directory trained at, data.seq_len; "
+    "else the model's max_seq_len)",
   )
   b.add_argument("--batch-size", type=int, default=8)
   b.add_argument("--packing", default="segmented", choices=("segmented", "concat"))
@@ -189,7 +195,9 @@ def _cmd_bpb(a) -> int:
     if a.sft_format not in SFT_FORMATS:
       fail(f"unknown --sft-format {a.sft_format!r}; choose one of {', '.join(SFT_FORMATS)}")
   model = api.load(a.checkpoint, step=a.step, dtype=a.dtype)
-  seq_len = model.cfg.max_seq_len if a.seq_len is None else a.seq_len
+  seq_len = a.seq_len
+  if seq_len is None:
+    seq_len = length_default("lca-eval", "--seq-len", a.checkpoint, model.cfg.max_seq_len)
   if seq_len > model.cfg.max_seq_len:
     fail(
       f"--seq-len {seq_len} is longer than the model context (max_seq_len {model.cfg.max_seq_len})"

@@ -10,7 +10,9 @@ skipped) is fed to the model as the bytes in the file, valid UTF-8 or not, and s
 bytes, and --json adds its exact vocabulary ids as "prompt_ids". Options are checked before
 the checkpoint is loaded: --tau in [0, 1], --n in [2, 64] in multi-byte modes, --max-bytes
 >= 1, --temperature >= 0, --top-k >= 0, --top-p in (0, 1], each finite. Generation stops
-at eos, after --max-bytes bytes, or when the context is full (the budget is capped so that
+at eos, after --max-bytes bytes (default 256, cut so that prompt + generation stays within
+the length a work directory trained at, its data.seq_len: a line on stderr says so, and an
+explicit --max-bytes past that length gets a one-line warning), or when the context is full (the budget is capped so that
 the longest prompt + generation fits the model's max_seq_len): the summary line says which
 ("stopped: ..."), and --json gives "stop_reason" per prompt. --json prints one record per
 prompt with that prompt's own figures: acceptance_rate (its accepted / proposed candidates),
@@ -35,7 +37,11 @@ from lca_jax.cli.common import (
   one_line_warnings,
   option_message,
   run_main,
+  say,
+  trained_length,
 )
+
+DEFAULT_MAX_BYTES = 256
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--drafter", help="drafter checkpoint for --mode drafter (LCA-MBP or MLP-MBP)")
   p.add_argument("--tau", type=float, default=0.9, help="threshold mode acceptance probability")
   p.add_argument("--n", type=int, default=3, help="bytes proposed per step in multi-byte modes")
-  p.add_argument("--max-bytes", type=int, default=256)
+  p.add_argument(
+    "--max-bytes",
+    type=int,
+    help=f"bytes to generate (default {DEFAULT_MAX_BYTES}, at most what keeps prompt + "
+    "generation within the length a work directory trained at)",
+  )
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   p.add_argument("--top-k", type=int, default=0)
   p.add_argument("--top-p", type=float, default=1.0)
@@ -184,6 +195,31 @@ def _segmented(res, i: int, prompt) -> str:
   )
 
 
+def _byte_budget(args, prompts) -> int:
+  """--max-bytes, or when left out the default cut so that the longest prompt + generation
+  stays within the length the work directory trained at (said in one line); a request that
+  runs past that length is warned about in one line (the model never saw such positions)."""
+  trained = trained_length(args.checkpoint)
+  longest = max(len(_prompt_ids(p)) for p in prompts)
+  max_bytes = args.max_bytes
+  if max_bytes is None:
+    max_bytes = DEFAULT_MAX_BYTES
+    if trained is not None:
+      max_bytes = max(1, min(DEFAULT_MAX_BYTES, trained - longest))
+      say(
+        "lca-sample",
+        f"--max-bytes {max_bytes} (prompt + generation within {trained} "
+        "bytes, the length the work directory trained at)",
+      )
+  if trained is not None and longest + max_bytes > trained:
+    say(
+      "lca-sample",
+      f"warning: the {longest}-byte prompt + --max-bytes {max_bytes} runs past "
+      f"{trained} bytes, the length the work directory trained at; bytes past it degenerate",
+    )
+  return max_bytes
+
+
 def main(argv: Optional[List[str]] = None) -> int:
   args = build_parser().parse_args(argv)
   one_line_warnings("lca-sample")
@@ -205,7 +241,7 @@ def _main(args) -> int:
       args.mode,
       tau=args.tau,
       n=args.n,
-      max_bytes=args.max_bytes,
+      max_bytes=DEFAULT_MAX_BYTES if args.max_bytes is None else args.max_bytes,
       temperature=args.temperature,
       top_k=args.top_k,
       top_p=args.top_p,
@@ -219,6 +255,7 @@ def _main(args) -> int:
     fail("--stream prints one prompt as text; drop --json/--show-boundaries or use --prompt")
   model = api.load(args.checkpoint, dtype=args.dtype)
   drafter = api.load(args.drafter, dtype=args.dtype) if args.mode == "drafter" else None
+  max_bytes = _byte_budget(args, prompts)
   streamer = None
   if args.stream:
     streamer = _Streamer()
@@ -228,7 +265,7 @@ def _main(args) -> int:
     mode=args.mode,
     tau=args.tau,
     n=args.n,
-    max_bytes=args.max_bytes,
+    max_bytes=max_bytes,
     temperature=args.temperature,
     top_k=args.top_k,
     top_p=args.top_p,
@@ -253,7 +290,7 @@ def _main(args) -> int:
     )
     print(
       f"[{args.mode}: {sum(len(x) for x in res.ids)} bytes in {res.steps} steps, "
-      f"{res.bytes_per_s:.1f} bytes/s{acc}{_stop_summary(res, args.max_bytes, prompts, context)}]",
+      f"{res.bytes_per_s:.1f} bytes/s{acc}{_stop_summary(res, max_bytes, prompts, context)}]",
       file=sys.stderr,
     )
   return 0

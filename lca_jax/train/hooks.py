@@ -82,7 +82,9 @@ class MetricsWindow:
   their mean since the previous log line (``lr``: this step's) plus ``step_time``,
   ``bytes_per_s``, ``tflops_per_device``, ``mfu`` (None without a peak) and
   ``skipped_records`` to ``sinks``. Step time is wall time since the previous log line or
-  ``reset_clock`` (eval and checkpoint time is not step time) over the steps in between.
+  ``reset_clock`` (eval and checkpoint time is not step time) over the steps in between. The
+  run's first step (``start + 1``: compile and first run) is not step time: the clock starts
+  after it, and a line at it has None for the four timing figures.
 
   ``flops(bytes_per_latent)``: model FLOPs of one step; ``peak_flops``: per device (None or 0:
   unknown); ``skipped_records()``: bad records skipped so far."""
@@ -107,6 +109,7 @@ class MetricsWindow:
     self.skipped_records, self.sinks, self.clock = skipped_records, list(sinks), clock
     self.last: dict = {}  # the last line handed to the sinks, with its step
     self._window: list = []
+    self._first = start + 1
     self.reset_clock(start)
 
   def reset_clock(self, step: int) -> None:
@@ -114,20 +117,17 @@ class MetricsWindow:
 
   def __call__(self, step: int, m: dict) -> None:
     self._window.append(m)
+    first = step == self._first
+    if first:  # compile + first run: the clock starts after it
+      self._t_mark, self._n_mark = self.clock(), step
     if not (step == 1 or step % self.log_every == 0 or step == self.total):
       return
     now = self.clock()
-    step_time = (now - self._t_mark) / max(step - self._n_mark, 1)
     window = self._window
     avg = {k: float(np.mean([w[k] for w in window if k in w])) for k in window[-1] if k != "lr"}
     avg["lr"] = m["lr"]
-    avg["step_time"] = step_time
-    avg["bytes_per_s"] = self.bytes_per_step / step_time
-    flops = self.flops(avg.get("bytes_per_latent"))
-    avg["tflops_per_device"] = flops / step_time / self.n_devices / 1e12
-    avg["mfu"] = (
-      (flops / step_time / (self.n_devices * self.peak_flops)) if self.peak_flops else None
-    )
+    timing = dict.fromkeys(("step_time", "bytes_per_s", "tflops_per_device", "mfu"))
+    avg.update(timing if first else self._timing(now, step, avg.get("bytes_per_latent")))
     avg["skipped_records"] = self.skipped_records()
     for sink in self.sinks:
       sink(step, avg)
@@ -135,14 +135,27 @@ class MetricsWindow:
     self._window = []
     self._t_mark, self._n_mark = now, step
 
+  def _timing(self, now: float, step: int, bytes_per_latent: Optional[float]) -> dict:
+    """Step time, bytes/s, TFLOP/s per device and MFU since the clock's mark."""
+    step_time = (now - self._t_mark) / max(step - self._n_mark, 1)
+    flops = self.flops(bytes_per_latent)
+    return dict(
+      step_time=step_time,
+      bytes_per_s=self.bytes_per_step / step_time,
+      tflops_per_device=flops / step_time / self.n_devices / 1e12,
+      mfu=(flops / step_time / (self.n_devices * self.peak_flops)) if self.peak_flops else None,
+    )
+
 
 class Console:
   """What a run shows on the console (process 0): a ``metrics.Progress`` bar ticked per step
   with the last log line's loss / bpb / throughput as its postfix, eval results and messages
-  (printed above the bar, or to stderr without one)."""
+  (printed above the bar, or to stderr without one). Without a bar (``train.progress_bar``
+  false, or stderr not a terminal: a batch job's log) every log line is a plain line of text,
+  ``lca-train: step S/TOTAL: loss L, bpb B, lr LR, N bytes/s``."""
 
-  def __init__(self, progress):
-    self.progress = progress
+  def __init__(self, progress, total: int):
+    self.progress, self.total = progress, total
 
   def write(self, msg: str) -> None:
     self.progress.write(msg)
@@ -152,11 +165,14 @@ class Console:
     self.progress.update(1)
 
   def train_line(self, step: int, avg: dict) -> None:
-    del step
+    if not self.progress.has_bar:
+      self.write(plain_train_line(step, self.total, avg))
+      return
     post = {"loss": avg["loss"], "bpb": avg.get("bpb_ntp")}
     if avg.get("bpb_mbp") is not None:
       post["bpb2"] = avg["bpb_mbp"]
-    post["kB/s"] = avg["bytes_per_s"] / 1e3
+    if avg["bytes_per_s"] is not None:
+      post["kB/s"] = avg["bytes_per_s"] / 1e3
     self.progress.update(0, **post)
 
   def eval_line(self, step: int, res: dict) -> None:
@@ -164,6 +180,17 @@ class Console:
       f"eval @ {step}: bpb_ntp {res['bpb_ntp']:.4f}"
       + (f", bpb_mbp {res['bpb_mbp']:.4f}" if "bpb_mbp" in res else "")
     )
+
+
+def plain_train_line(step: int, total: int, avg: dict) -> str:
+  """A log line as text: step, loss, bpb, lr and bytes/s (the first step: its compile)."""
+  out = f"lca-train: step {step}/{total}: loss {avg['loss']:.4f}"
+  if avg.get("bpb_ntp") is not None:
+    out += f", bpb {avg['bpb_ntp']:.4f}"
+  out += f", lr {avg['lr']:.3g}"
+  if avg["bytes_per_s"] is None:
+    return out + " (first step: compile, not timed)"
+  return out + f", {avg['bytes_per_s']:,.0f} bytes/s"
 
 
 # ---- periodic actions -----------------------------------------------------------------------

@@ -342,7 +342,7 @@ def _open_hooks(
   progress = cleanup.enter_context(
     contextlib.closing(met.Progress(total, start, bool(config.train.progress_bar)))
   )
-  console = hooks_lib.Console(progress)
+  console = hooks_lib.Console(progress, total)
   n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(setup.abstract.params))
   console.write(
     f"lca-train: {model_cfg.kind} model, {n_params / 1e6:.2f}M params, mesh "

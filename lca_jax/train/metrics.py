@@ -237,11 +237,13 @@ class MetricsWriter:
 
 
 class Progress:
-  """tqdm bar over optimizer steps (ETA from its rate); silent when disabled."""
+  """tqdm bar over optimizer steps (ETA from its rate) when ``enabled`` and stderr is a
+  terminal (a batch job's log would fill with its carriage returns); else silent, and
+  ``write`` prints lines."""
 
   def __init__(self, total: int, initial: int, enabled: bool):
     self.bar = None
-    if enabled and jax.process_index() == 0:
+    if enabled and jax.process_index() == 0 and sys.stderr.isatty():
       self.bar = tqdm(
         total=total,
         initial=initial,
@@ -251,6 +253,10 @@ class Progress:
         file=sys.stderr,
         smoothing=0.1,
       )
+
+  @property
+  def has_bar(self) -> bool:
+    return self.bar is not None
 
   def update(self, n: int = 1, **postfix):
     if self.bar is not None:

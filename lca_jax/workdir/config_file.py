@@ -48,6 +48,16 @@ def read_run_config(workdir: str) -> Optional[dict]:
   return saved
 
 
+def trained_seq_len(path: str) -> Optional[int]:
+  """The length a work directory trained at: ``data.seq_len`` of its saved run config (the
+  one owner of "the trained length"); None for another layout (the paper's config.json +
+  model.safetensors) or a saved config without it."""
+  saved = read_run_config(path) if os.path.isdir(path) else None
+  data = ((saved or {}).get("config") or {}).get("data") or {}
+  n = data.get("seq_len")
+  return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
 def write_run_config(workdir: str, config: dict, model_cfg: ModelConfig) -> None:
   """Write ``workdir``'s run config (``config``: the run config as a dict of sections) and
   model atomically; only process 0 writes."""
