@@ -26,7 +26,8 @@ setup(
   ],
   extras_require={
     "data": ["grain>=0.2.10", "array-record>=0.8", "pyarrow>=15", "tensorflow-datasets>=4.9.8"],
-    "train": ["tensorboardX>=2.6", "grain>=0.2.10", "pyarrow>=15"],
+    # tensorboardX writes WORKDIR/tb; tensorboard views it (tensorboard --logdir WORKDIR/tb)
+    "train": ["tensorboardX>=2.6", "tensorboard>=2.16", "grain>=0.2.10", "pyarrow>=15"],
     # lm-evaluation-harness (--model lca_jax) and the transformers export (lca-convert to-hf)
     "eval": [
       "rouge-score>=0.1.2",
