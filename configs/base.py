@@ -108,10 +108,38 @@ def tiny_model(**overrides) -> ml_collections.ConfigDict:
 
 
 def paper_config(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The paper's training setup (§4.2, §4.3, appendix A and its yaml,
+  configs/train/modern_fxt_priors_0.3_en_lca_prev_group_self_256_scale_bp_dualhead.yaml in
+  skai-research/lca-multibyte; docs/training.md compares them field by field).
+
+  Schedule: linear warmup over 2,000 steps, then a cosine to 0 at step 48,500 (transformers'
+  get_cosine_schedule_with_warmup(2000, 48500)); 48,500 steps x 1,048,576 bytes = 50.9B bytes,
+  the paper's 50B.
+  """
   c = base_config()
   c.model = model
   c.data.format = "parquet"
-  c.data.seq_len = 4096
+  c.data.seq_len = 4096  # yaml train.seq_len / model.seq_len; paper §4.2 "context window of 4096"
+  # bytes per optimizer step: paper §4.3 "total batch size of 1048576 bytes per gradient step"
+  # (the yaml's train.batch_size 32 per GPU x train.gradient_accumulation_steps 4 x the 2 GPUs
+  # of the paper code's scripts/run_train.sh x seq_len 4096)
+  c.train.global_batch_bytes = 1_048_576
+  c.train.steps = 48_500  # yaml train.max_train_steps (x 1,048,576 bytes = 50.9B: §4.3's 50B)
+  c.train.lambda_ntp = 1.0  # paper §4.3 lambda_0 = 1 (the code adds the NT loss unscaled)
+  c.train.lambda_mbp = 1.0  # yaml model.scale_loss2; paper §4.3 lambda_1 = 1
+  c.train.lambda_bp = 10.0  # yaml model.scale_bp; paper §4.3 lambda_2 = 10
+  c.optim.lr = 3e-4  # yaml optim.lr; paper §4.3
+  c.optim.warmup_steps = 2000  # yaml train.num_warmup_steps; paper §4.3 "warmup of 2000 steps"
+  # yaml optim.scheduler "cosine": train.py's get_scheduler("cosine"), transformers'
+  # get_cosine_schedule_with_warmup, whose cosine ends at 0 ...
+  c.optim.final_lr_ratio = 0.0
+  # ... at num_training_steps = max_train_steps: the horizon is train.steps
+  c.optim.decay_steps = 0
+  c.optim.b1 = 0.9  # yaml optim.adam_b1; paper §4.3
+  c.optim.b2 = 0.999  # yaml optim.adam_b2; paper §4.3
+  c.optim.eps = 1e-8  # yaml optim.adam_eps; paper §4.3
+  c.optim.weight_decay = 0.0  # yaml optim.weight_decay (torch Adam, no decoupled decay)
+  c.optim.clip_norm = 0.25  # yaml optim.clip (global norm); paper §4.3
   # 16 rows of 4096 bytes per forward/backward fit one 80 GB GPU without remat (32 do not:
   # `lca-train --config C --aot h100:1` prints both); on N GPUs pass 16 * N.
   c.train.micro_batch_size = 16
