@@ -16,7 +16,7 @@ DEMO_CONFIG ?= configs/demo.py
 DEMO_STEPS ?= 800
 DEMO_SAMPLE_ARGS ?=
 
-.PHONY: venv demo test test-fast lint bench clean gpu-aot tpu-aot
+.PHONY: venv demo test test-fast lint bench clean gpu-venv gpu-aot tpu-venv tpu-aot
 
 venv: $(STAMP)
 
@@ -76,6 +76,9 @@ $(CUDA_STAMP): $(STAMP) requirements-gpu-aot.txt
 	$(VENV_CUDA)/bin/python -m pip install -q --no-deps -e .
 	touch $(CUDA_STAMP)
 
+# The plugin alone (a minute or two), for `.venv-cuda/bin/lca-train --aot ...` without the suite.
+gpu-venv: $(CUDA_STAMP)
+
 gpu-aot: $(CUDA_STAMP)
 	JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 $(VENV_CUDA)/bin/python -m pytest -q tests/test_aot.py; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 	mkdir -p $(dir $(GPU_AOT_OUT))
@@ -97,6 +100,9 @@ $(TPU_STAMP): $(STAMP)
 	$(VENV_TPU)/bin/python -m pip install -q --no-deps "libtpu==$$($(VPY) -c "import importlib.metadata as m; print(next(r.split('==')[1].split(';')[0].strip() for r in m.requires('jax') if r.startswith('libtpu')))")"
 	$(VENV_TPU)/bin/python -m pip install -q --no-deps -e .
 	touch $(TPU_STAMP)
+
+# libtpu alone, for `.venv-tpu/bin/lca-train --aot v5p:8 ...` without the suite.
+tpu-venv: $(TPU_STAMP)
 
 tpu-aot: $(TPU_STAMP)
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV_TPU)/bin/python -m pytest -q tests/test_tpu_aot.py tests/test_tpu_kernel.py; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]

@@ -375,9 +375,7 @@ SLOW_TESTS = {
   # kernels' own tests in this file stay fast
   "test_decode_fused.py": ("test_greedy_decoding_with_the_fused_kernels_equals_the_xla_path",),
   "test_eval.py": (
-    "test_tasks_end_to_end[summarization]",
-    "test_tasks_end_to_end[qa]",
-    "test_tasks_end_to_end[ifeval]",
+    "test_tasks_end_to_end",
     "test_sweep_cli_on_real_checkpoints",
   ),
   "test_inference_imports.py": ("test_load_and_generate_import_no_training_module",),
