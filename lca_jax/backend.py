@@ -3,7 +3,8 @@
 A few choices in the model and the decode engine depend on the backend that runs the program,
 each a function here that the model calls: Pallas kernels are interpreted on the CPU and
 lowered to Triton on GPUs (``pallas_interpret``), the LCA attention kernel is the Mosaic one on
-TPUs (``tpu_attention_kernel``), dense products and norms merge the leading axes except on
+TPUs (``tpu_attention_kernel``), a model config's ``attention_impl="auto"`` is the Pallas kernel
+on GPUs and TPUs and the blockwise XLA attention on the CPU (``attention_impl``), dense products and norms merge the leading axes except on
 TPUs over a row count that is not a whole number of tiles (``merged_rows``), RoPE rotates
 through a product on TPUs (``rope_by_product``), the blockwise attention runs one loop nest
 per core on the CPU (``attention_threads``), the CPU runs a cached attention of a few columns
@@ -60,6 +61,29 @@ def attention_threads() -> int:
 def pallas_interpret() -> bool:
   """Whether the Pallas kernels run in interpret mode (on the CPU) rather than through Triton."""
   return is_cpu()
+
+
+# ModelConfig.attention_impl's default: the platform's attention (``attention_impl``)
+AUTO_ATTENTION = "auto"
+
+
+def attention_impl(requested: str = AUTO_ATTENTION, name: Optional[str] = None) -> str:
+  """The attention implementation a model config's ``attention_impl`` runs as on platform
+  ``name`` (default: ``platform()``, so a deviceless compile inside ``target("gpu")`` gets the
+  GPU's): ``"auto"`` is ``"pallas"`` on GPUs (the Triton kernels) and TPUs (the Mosaic kernels,
+  ``tpu_attention_kernel``) and the blockwise ``"xla"`` attention on the CPU, where the Pallas
+  kernels would run interpreted; any other value (``"xla"``, ``"pallas"``, ``"dense"``) is
+  returned as it is. Every reader of ``attention_impl`` that picks a path asks this."""
+  if requested != AUTO_ATTENTION:
+    return requested
+  return "xla" if (name or platform()) == "cpu" else "pallas"
+
+
+def attention_label(requested: str, name: Optional[str] = None) -> str:
+  """What a run prints for its attention: the implementation ``attention_impl`` resolves to,
+  with " (auto)" when the config left it to the platform: "pallas (auto)", "xla"."""
+  impl = attention_impl(requested, name)
+  return f"{impl} (auto)" if requested == AUTO_ATTENTION else impl
 
 
 def tpu_attention_kernel() -> bool:

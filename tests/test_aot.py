@@ -297,6 +297,22 @@ def test_pallas_train_step_runs_the_triton_kernels_without_a_dense_matrix(optimi
 
 
 @needs_plugin
+def test_the_default_config_compiles_the_triton_kernels_for_a_gpu():
+  """No attention_impl override: "auto" resolves to the GPU's Pallas kernels in a deviceless
+  GPU compile on this CPU host, and the report and its header say so."""
+  from lca_jax import configs_io  # pylint: disable=g-import-not-at-top
+  from lca_jax.aot import check, text  # pylint: disable=g-import-not-at-top
+
+  c = configs_io.load_config(TINY)
+  assert c.model.attention_impl == "auto"
+  c.data.seq_len, c.train.micro_batch_size, c.train.global_batch_bytes = 256, 1, 256
+  (r,) = check.train_reports(c, targets.parse("h100:1"), ("train_step",))
+  assert r["attention_impl"] == "pallas" and r["attention_requested"] == "auto"
+  assert r["custom_calls"].get("__gpu$xla.gpu.triton", 0) >= 6  # 3 stacks + the LCA head
+  assert ", attention pallas (auto), " in text.header(r)
+
+
+@needs_plugin
 def test_decode_loop_is_one_cuda_graph(optimized, monkeypatch):
   from lca_jax.aot import check  # pylint: disable=g-import-not-at-top
   from lca_jax.model.config import ModelConfig  # pylint: disable=g-import-not-at-top

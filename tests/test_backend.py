@@ -74,8 +74,9 @@ def test_lm_widths_of_a_named_platform():
 
 def test_model_asks_for_pallas_interpret_and_attention_threads():
   """The Pallas kernel's interpret mode, and the blockwise loop nests of a config that leaves
-  them to the platform (``attn_parallel`` 0)."""
-  cfg = tiny_config("lca_mbp", attn_parallel=0)
+  them to the platform (``attn_parallel`` 0; the blockwise path named: "auto" is the kernel on
+  a GPU)."""
+  cfg = tiny_config("lca_mbp", attn_parallel=0, attention_impl="xla")
   ids = jnp.zeros((1, 8), jnp.int32)
   kernel = lambda: hierarchical._pallas_kernel(ids, ids)  # pylint: disable=protected-access
   doc = jnp.ones((1, 8), jnp.int32)
@@ -139,3 +140,43 @@ def test_long_block_lm_widths_follow_the_target(name):
     jaxpr = jax.make_jaxpr(step)(params).jaxpr
   branches = [len(e.params["branches"]) for e in jaxpr.eqns if e.primitive.name == "cond"]
   assert max(branches) == (4 if name == "cpu" else 2), branches
+
+
+def test_auto_attention_is_the_platform_s_kernel_and_an_explicit_choice_wins():
+  assert tiny_config("lca_mbp").attention_impl == "auto"  # the default
+  assert backend.attention_impl() == backend.attention_impl("auto") == "xla"  # this CPU host
+  assert backend.attention_label("auto") == "xla (auto)" and backend.attention_label("xla") == "xla"
+  for name in ("gpu", "tpu"):
+    with backend.target(name):
+      assert backend.attention_impl("auto") == "pallas"
+      assert backend.attention_label("auto") == "pallas (auto)"
+      for explicit in ("xla", "pallas", "dense"):
+        assert backend.attention_impl(explicit) == explicit
+    assert backend.attention_impl("auto", name) == "pallas"
+  with backend.target("gpu"):
+    assert backend.attention_impl("auto", "cpu") == "xla"  # a named platform over the target
+  with backend.target("cpu"):
+    assert backend.attention_impl("auto") == "xla"
+
+
+@pytest.mark.parametrize(
+  "name, impl, pallas",
+  [("cpu", "auto", False), ("gpu", "auto", True), ("tpu", "auto", True), ("gpu", "xla", False)],
+)
+def test_the_model_traces_the_attention_auto_resolves_to(monkeypatch, name, impl, pallas):
+  calls = []
+  real = hierarchical._pallas_kernel
+
+  def spy(group_BT, doc_BT):
+    calls.append(backend.tpu_attention_kernel())
+    return real(group_BT, doc_BT)
+
+  monkeypatch.setattr(hierarchical, "_pallas_kernel", spy)
+  cfg = tiny_config("lca_mbp", attention_impl=impl)
+  ids = jnp.zeros((1, 64), jnp.int32)
+  with backend.target(name):
+    params = jax.eval_shape(lambda: nn.unbox(init_params(cfg, jax.random.PRNGKey(0), 64)))
+    calls.clear()  # the forward's own calls
+    jax.eval_shape(lambda p: ByteLM(cfg).apply({"params": p}, ids), params)
+  assert bool(calls) == pallas
+  assert all(c == (name == "tpu") for c in calls)  # the Mosaic kernel on TPUs only

@@ -214,6 +214,25 @@ def test_cli_full_disk_for_metrics_stops_in_one_line(tmp_path, capsys):
   assert "Traceback" not in err, err
 
 
+def test_cli_header_names_the_attention_and_an_old_xla_workdir_resumes(tmp_path, capsys):
+  """The first line says which attention runs: an explicit choice as it is, the default "auto"
+  resolved for this host ("xla (auto)" on the CPU). A work directory saved with
+  attention_impl "xla" (the default before "auto") resumes under the default, and its saved
+  config then records the config's own value, "auto"."""
+  wd = tmp_path / "w"
+  code, err = run_cli(capsys, wd, "train.steps=1", "model.attention_impl=xla")
+  assert code == 0, err
+  first = err.splitlines()[0]
+  assert first.startswith("lca-train: ") and first.endswith(", attention xla"), err
+  code, err = run_cli(capsys, wd, "train.steps=2")
+  assert code == 0, err
+  first = err.splitlines()[0]
+  assert "steps 1->2" in first and first.endswith(", attention xla (auto)"), err
+  with open(wd / run_config.CONFIG_FILE) as f:
+    saved = json.load(f)
+  assert saved["model"]["attention_impl"] == saved["config"]["model"]["attention_impl"] == "auto"
+
+
 def _logged_lrs(workdir) -> dict:
   """step -> the learning rate metrics.jsonl logged for it (the schedule at step - 1)."""
   with open(os.path.join(workdir, "metrics.jsonl")) as f:

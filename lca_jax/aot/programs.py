@@ -74,7 +74,10 @@ def train_programs(config, devices) -> list:
     micro_batch=plan.micro,
     micro_batch_per_device=plan.micro // shd.batch_shards(mesh),
     accum=plan.accum,
-    attention_impl=setup.model_cfg.attention_impl,
+    # the kernel the program runs ("auto" resolved for the target's platform) and what the
+    # config asked for
+    attention_impl=backend.attention_impl(setup.model_cfg.attention_impl, platform_of(devices)),
+    attention_requested=setup.model_cfg.attention_impl,
     remat=setup.model_cfg.remat,
     dtype=setup.model_cfg.dtype,
   )

@@ -14,9 +14,15 @@ def header(r: dict) -> str:
   return (
     f"{r['target']} ({r['device']}, {r['memory']['device_gb']:.1f} GB each): mesh {mesh}; "
     f"micro-batch {r['micro_batch']} rows ({r['micro_batch_per_device']} per {_unit(r)}) x "
-    f"{r['accum']} accumulated, T {r['seq_len']}, attention {r['attention_impl']}, "
+    f"{r['accum']} accumulated, T {r['seq_len']}, attention {_attention(r)}, "
     f"{r['dtype']}, remat {'on' if r['remat'] else 'off'}"
   )
+
+
+def _attention(r: dict) -> str:
+  """The attention the program runs, "pallas (auto)" when the config left it to the platform."""
+  auto = r.get("attention_requested") == "auto"
+  return f"{r['attention_impl']} (auto)" if auto else r["attention_impl"]
 
 
 def setting(r: dict) -> str:

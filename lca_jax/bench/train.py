@@ -9,7 +9,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from lca_jax import hostmem
+from lca_jax import backend, hostmem
 from lca_jax.bench import report
 from lca_jax.bench.models import ROOT
 from lca_jax.perf import costs, xla_profile
@@ -144,7 +144,8 @@ def describe(setup, config_path: str) -> dict:
     mesh=dict(setup.mesh.shape),
     params=int(n_params),
     dtype=setup.model_cfg.dtype,
-    attention_impl=setup.model_cfg.attention_impl,
+    attention_impl=backend.attention_impl(setup.model_cfg.attention_impl),
+    attention_requested=setup.model_cfg.attention_impl,
     seq_len=plan.seq_len,
     rows=plan.rows,
     micro_batch=plan.micro,

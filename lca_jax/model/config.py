@@ -20,7 +20,7 @@ from lca_jax.errors import LcaError
 
 KINDS = ("flat", "hierarchical")
 BOUNDARIES = ("learned", "spacebyte")
-ATTENTION_IMPLS = ("xla", "dense", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "dense", "pallas")
 DTYPES = ("float32", "bfloat16")
 # Auto block sizes of the causal stacks' blockwise attention (ModelConfig.causal_blocks).
 CAUSAL_BLOCK = 64
@@ -100,10 +100,11 @@ class ModelConfig:
   max_seq_len: int = 4096  # longest context (prompt + generation) the decoder accepts
   rms_eps: float = 1e-6
   dropout: float = 0.0
-  # "xla": blockwise attention in plain JAX (model/attention.py; every backend, no [T, T]
+  # "auto": the platform's (backend.attention_impl): "pallas" on GPUs and TPUs, "xla" on the
+  # CPU; "xla": blockwise attention in plain JAX (model/attention.py; every backend, no [T, T]
   # buffer, masked tiles skipped); "dense": the dense-masked reference (tests, A/B);
-  # "pallas": the Triton kernels (GPU; interpreted on CPU).
-  attention_impl: str = "xla"
+  # "pallas": the Pallas kernels (Triton on GPUs, Mosaic on TPUs; interpreted on the CPU).
+  attention_impl: str = "auto"
   attn_block_q: int = 0  # blockwise query block of the causal stacks; 0 = auto (causal_blocks)
   attn_block_k: int = 0  # blockwise key tile of the causal stacks; 0 = auto (causal_blocks)
   lca_block_q: int = 64  # LCA head query block; its key tile is lca_block_q + lca_lookback

@@ -97,10 +97,11 @@ class ByteLM(nn.Module):
   def _attend(self, group_BT, doc_BT, kind):
     """(mask, kernel) for a self-attention stack: blockwise (xla), dense mask or Pallas."""
     c = self.cfg
-    if c.attention_impl == "pallas":
+    impl = backend.attention_impl(c.attention_impl)
+    if impl == "pallas":
       g = group_BT if kind == "lca" else jnp.zeros_like(doc_BT)
       return None, _pallas_kernel(g, doc_BT)
-    if c.attention_impl == "dense":
+    if impl == "dense":
       if kind == "lca":
         return masks.lca_mask(group_BT, doc_BT), None
       return masks.causal_mask(doc_BT), None

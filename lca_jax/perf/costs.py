@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lca_jax import backend
 from lca_jax.model import masks, pooling
 from lca_jax.model.attention import LOOPS_PER_BLOCK, tiles_visited
 from lca_jax.model.config import ModelConfig
@@ -133,7 +134,7 @@ def loop_correction(cfg: ModelConfig, params, doc_BT, plan) -> dict:
     scanned = layers - 1 if cfg.scans(layers) else 0
     dense = (2.0 * fwd_passes + 4.0) * count_params(params[name]) / layers
     flops += scanned * dense * rows * lo.shape[1]
-    if cfg.attention_impl != "xla":
+    if backend.attention_impl(cfg.attention_impl) != "xla":
       continue
     bq, bk = min(bq, lo.shape[1]), min(bk, lo.shape[1])
     n = int(tiles_visited(lo, bq, bk))

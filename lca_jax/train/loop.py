@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lca_jax import api
+from lca_jax import api, backend
 from lca_jax.model.config import ModelConfig
 from lca_jax.param_tree import abstract_params
 from lca_jax.train import checkpoint as ckpt_lib
@@ -347,7 +347,8 @@ def _open_hooks(
   console.write(
     f"lca-train: {model_cfg.kind} model, {n_params / 1e6:.2f}M params, mesh "
     f"{dict(setup.mesh.shape)}, {plan.rows} rows x {plan.seq_len} bytes per step "
-    f"({plan.accum} x {plan.micro}-row micro-batches), steps {start}->{total} ({origin})"
+    f"({plan.accum} x {plan.micro}-row micro-batches), steps {start}->{total} ({origin}), "
+    f"attention {backend.attention_label(model_cfg.attention_impl)}"
   )
   console.write(f"lca-train: data: {inputs.describe_data(config)}")
   window = hooks_lib.MetricsWindow(
