@@ -273,6 +273,9 @@ def test_train_and_decode_reports_of_a_tiny_model_on_v5e():
   configs_io.apply_overrides(config, [a[len("--config.") :] for a in SMALL])
   config.train.micro_batch_size = 2
   config.train.global_batch_bytes = 2 * 32
+  # the blockwise attention's loops: the per-op model prices the step (the default, "auto", runs
+  # the Mosaic kernel on a TPU: a loop-free program that the compiler's estimate prices)
+  config.model.attention_impl = "xla"
   (r,) = check.train_reports(config, targets.parse("v5e"), ("eval_step",))
   assert r["unit"] == "chip" and r["memory"]["fits"] and r["memory"]["device_gb"] == 16.0
   e = r["estimate"]
