@@ -148,27 +148,26 @@ def _parser():
     dest="cmd", metavar="{to-torch,from-torch,to-hf,from-hf}", parser_class=_Parser
   )
   sub.required = True
-  t = sub.add_parser("to-torch", help="export to config.json + model.safetensors")
-  t.add_argument("--checkpoint", required=True, help="lca-train work directory or upstream dir")
-  t.add_argument("--out", required=True, help="output directory (new or empty)")
-  t.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  t.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
-  t.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+  _export_options(sub.add_parser("to-torch", help="export to config.json + model.safetensors"))
   f = sub.add_parser("from-torch", help="import into an lca-train work directory")
   f.add_argument(
     "--torch-dir", dest="src", required=True, help="directory with config.json + model.safetensors"
   )
   _import_options(f)
-  h = sub.add_parser("to-hf", help="export to a Hugging Face transformers directory")
-  h.add_argument("--checkpoint", required=True, help="lca-train work directory or upstream dir")
-  h.add_argument("--out", required=True, help="output directory (new or empty)")
-  h.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  h.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
-  h.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+  _export_options(sub.add_parser("to-hf", help="export to a Hugging Face transformers directory"))
   i = sub.add_parser("from-hf", help="import a to-hf export into an lca-train work directory")
   i.add_argument("--hf-dir", dest="src", required=True, help="directory written by to-hf")
   _import_options(i)
   return p
+
+
+def _export_options(p):
+  """The options of to-torch and to-hf."""
+  p.add_argument("--checkpoint", required=True, help="lca-train work directory or upstream dir")
+  p.add_argument("--out", required=True, help="output directory (new or empty)")
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  p.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+  p.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
 
 
 def _import_options(p):
