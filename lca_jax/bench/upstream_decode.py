@@ -106,12 +106,13 @@ def load_lca_dir(path: str, cfg):
   """lca_jax's model of the same checkpoint directory: its weights through the converter
   (``interop.upstream.load_dir``), the embedding and head zero-padded to ``cfg.vocab_size`` rows
   as lca_jax's own configs hold them (``lca_jax.load`` would keep the 261 rows of the paper's
-  layout), under ``cfg`` (config.json does not carry max_latent_ratio, unused in decoding)."""
+  layout), under ``cfg`` (config.json carries neither max_latent_ratio, unused in decoding, nor
+  attention_impl, which reads back as the default)."""
   try:
     got, params = up_io.load_dir(path, vocab_size=cfg.vocab_size)
   except ValueError as e:  # CheckpointError
     raise BenchError(f"{path}: {e}") from None
-  if got.replace(max_latent_ratio=cfg.max_latent_ratio) != cfg:
+  if got.replace(max_latent_ratio=cfg.max_latent_ratio, attention_impl=cfg.attention_impl) != cfg:
     raise BenchError(f"{path}: config.json does not give back the model written")
   return Model(cfg, jax.tree_util.tree_map(jax.numpy.asarray, params), source=path)
 
